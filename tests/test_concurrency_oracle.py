@@ -37,8 +37,8 @@ def test_a_placement_ended_on_another_thread_while_it_retries_holds_nothing(
     placement = s.place(ScheduleRequest(tokens=list(range(64))))
     start_attempt = s._start_attempt
 
-    def ended_meanwhile(request: ScheduleRequest, endpoint: Any) -> Any:
-        attempt = start_attempt(request, endpoint)
+    def ended_meanwhile(first: Any, endpoint: Any) -> Any:
+        attempt = start_attempt(first, endpoint)
         _on_thread(placement.cancel)  # the client went away while the attempt started
         return attempt
 

@@ -508,6 +508,30 @@ def test_the_breaker_never_opens_on_the_last_engine_in_routing() -> None:
     run(body())
 
 
+def test_a_retry_does_not_move_the_round_robin_cursor() -> None:
+    """A retry goes to the decision's next fallback without a new pick: with round-robin, an
+    engine answering 5xx gets the first attempt of every other request, as its healthy peer
+    does. The Python plane picked again for each retry, which moved the cursor once more, so
+    the failing engine got almost every first attempt (5 of 6)."""
+
+    async def body() -> None:
+        health = {
+            "interval_s": None,
+            "breaker_min_requests": 1000,
+            "failures_to_probe": 1000,
+        }
+        async with rig(engines=2, router="round-robin", health=health) as r:
+            r.engines[0].mode = "error500"
+            for i in range(6):
+                assert (await r.complete(f"{i} round and round")).status == 200
+            # The healthy engine answered all six; the failing one saw only first attempts.
+            assert len(r.engines[1].received) == 6
+            assert len(r.engines[0].received) == 3
+            assert r.metric("llmsched_gateway_retries_total") == 3
+
+    run(body())
+
+
 def test_a_request_failing_on_one_engine_counts_against_it() -> None:
     """With one attempt a request's 5xx cannot be told from the engine's: it counts, and
     enough of them open the breaker, as before."""

@@ -148,6 +148,33 @@ def test_retry_skips_a_fallback_that_left_the_pool() -> None:
     at_rest(s)
 
 
+def test_retry_skips_a_fallback_removed_from_the_scheduler() -> None:
+    s = Scheduler(["a", "b", "c"], router="least-load")
+    with s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as p:
+        first, skipped, last = p.endpoint, *p.fallbacks
+        s.remove_engine(skipped)
+        assert p.retry() == last
+        assert in_flight(s)[last] == 1
+    assert first != last
+    at_rest(s)
+
+
+def test_a_retry_does_not_take_the_next_requests_round_robin_turn() -> None:
+    """Probe 82: each retry made a new pick, which moved the round-robin cursor once more,
+    so with one engine failing every request it got almost every first attempt. A retry
+    starts the first pick again on its fallback: the turns go on as if it never failed."""
+    s = Scheduler(["a", "b", "c"], router="round-robin")
+    firsts = []
+    for i in range(9):
+        with s.schedule_sync(ScheduleRequest(tokens=[i, *PROMPT])) as p:
+            firsts.append(p.endpoint)
+            while p.endpoint == "a":  # "a" fails every request sent to it
+                p.retry()
+    assert firsts.count("a") == 3
+    assert s.stats()["retries"] == 3
+    at_rest(s)
+
+
 def test_failure_removes_the_approximate_record_and_success_keeps_it() -> None:
     s = Scheduler(["a"], router="prefix-only", block_size=16)
     with pytest.raises(RuntimeError), s.schedule_sync(ScheduleRequest(tokens=PROMPT)):

@@ -710,6 +710,9 @@ class Decision:
         table's first), the rest counted."""
     def explain_row(self, profile: int, endpoint: EndpointId) -> ProfileRow | None:
         """`endpoint`'s row in the `profile`-th profile run; None when it was not considered."""
+    def again(self) -> Decision:
+        """A fresh decision with this one's choice, fallbacks and scores, not started: a
+        retry's (no new pick, so a round-robin cursor does not move)."""
     def started(self, endpoint: int | str | None, now: float) -> None:
         """Marks the request sent (to `endpoint`, default the chosen one); PlacementError when
         it was already started or finished."""

@@ -1114,6 +1114,28 @@ class Decision:
                 ) from None
             raise
 
+    def again(self) -> Decision:
+        """A fresh decision with this one's choice, fallbacks and scores, not yet started: a
+        retry sends it to a fallback (``again().started(fallback)``) where this one failed.
+        No new pick is made, so stateful pickers do not move: with round-robin a retry does
+        not take the next request's turn (the native data plane retries the same way).
+
+        >>> router = Router(EndpointPool(["a", "b"]), config="round-robin")
+        >>> first = router.pick(tokens=[1], now=0.0)
+        >>> first.started(now=0.0)
+        >>> first.finished()
+        True
+        >>> retry = first.again()
+        >>> retry.started(first.fallbacks[0], now=0.0)
+        >>> retry.stage, retry.endpoint == first.endpoint
+        ('sent', True)
+        >>> retry.finished()
+        True
+        >>> router.pick(tokens=[2], now=0.0).endpoint != first.endpoint  # the next turn
+        True
+        """
+        return Decision(self._native.again(), self._pool, self._now, self._notes, self._sync)
+
     def first_token(self) -> bool:
         """The first token arrived: the prefill work is done. False if already noted or
         finished; :class:`~llmsched.errors.PlacementError` before :meth:`started`."""

@@ -463,6 +463,8 @@ class Placement:
         self._admission = admission
         self._owns = owns_admission
         self._attempt: _Attempt | None = attempt
+        # The pick: a retry starts it again on a fallback (no new pick, see ``retry``).
+        self._first = attempt.decision
         self._order = order
         # The other endpoints considered, appended to the order when first needed (reading
         # the decision's explanation costs more than most requests ever need).
@@ -601,7 +603,7 @@ class Placement:
                     break
                 endpoint = self._order[self._next]
                 self._next += 1
-            attempt = self._scheduler._start_attempt(self._request, endpoint)
+            attempt = self._scheduler._start_attempt(self._first, endpoint)
             if attempt is None:
                 continue
             with self._lock:
@@ -1593,16 +1595,19 @@ class Scheduler:
         decision.started(endpoint)
         return _Attempt(decision, endpoint, held)
 
-    def _start_attempt(self, request: ScheduleRequest, endpoint: EndpointId) -> _Attempt | None:
-        """A fresh decision for ``request`` started on ``endpoint`` (a retry); None when the
-        endpoint can no longer be picked. (for :meth:`Placement.retry`)"""
-        try:
-            decision = self.router.pick(**request.pick_arguments())  # type: ignore[arg-type]
-        except NoEndpointError:
-            return None
+    def _start_attempt(self, first: Decision, endpoint: EndpointId) -> _Attempt | None:
+        """The placement's ``first`` decision started again on ``endpoint`` (a retry); None
+        when the endpoint has left routing since (removed or drained). No new pick is made:
+        a stateful picker does not move (with round-robin, a retry taking the next request's
+        turn gave a failing engine almost every first attempt), and the retry goes where the
+        pick ranked it, as on the native data plane. (for :meth:`Placement.retry`)"""
+        with self._engines_lock:
+            if endpoint not in self._engines or endpoint in self._drained:
+                return None
+        decision = first.again()
         try:
             return self._started(decision, endpoint, decision.cached_tokens())
-        except UnknownEndpointError:  # taken out of routing or removed since the first pick
+        except UnknownEndpointError:  # not among the endpoints the pick considered
             decision.finished()
             return None
 

@@ -1235,6 +1235,13 @@ async fn scrape(gateway: Arc<Gateway>, base: Duration) {
         interval = if requests == seen { (interval * 2).min(limit) } else { base };
         seen = requests;
         let upstreams = gateway.upstreams();
+        for upstream in &upstreams.list {
+            // Both kinds of every engine scraped, at 0 until one fails, as on the Python
+            // plane: `rate()` and `increase()` read a series from its first scrape, where one
+            // that appears with its first failure loses that failure.
+            gateway.counters.scrape_failures.add(&[&upstream.id, "failed"], 0);
+            gateway.counters.scrape_failures.add(&[&upstream.id, "timeout"], 0);
+        }
         // All engines at once: their answers come back together, one wake-up of the thread
         // for the lot rather than one per engine (what an idle gateway spends its time on).
         let scrapes = upstreams.list.iter().map(|u| scrape_once(&gateway, u, timeout));
@@ -2012,7 +2019,8 @@ impl Gateway {
                 metrics::gauge(
                     &mut out,
                     "endpoint_in_flight",
-                    "Requests in flight per endpoint (this gateway's own)",
+                    "Requests this gateway started on an endpoint and has not finished \
+                     (endpoints in routing; other replicas' requests are not counted)",
                     &[("endpoint", &upstream.id)],
                     load.requests as f64,
                 );
@@ -2080,12 +2088,13 @@ impl Gateway {
             metrics::gauge(
                 &mut out,
                 "flow_tenants",
-                "Tenants with a flow in flow control",
+                "Tenants with a flow in flow control (idle flows are reclaimed after flow_idle_s)",
                 &[],
                 metrics.tenants as f64,
             );
             out.push_str(&format!(
-                "# HELP llmsched_gateway_flows_reclaimed_total Flows reclaimed after flow_idle_s\n\
+                "# HELP llmsched_gateway_flows_reclaimed_total Flows reclaimed after flow_idle_s \
+                 without a queued or running request\n\
                  # TYPE llmsched_gateway_flows_reclaimed_total counter\n\
                  llmsched_gateway_flows_reclaimed_total {}.0\n",
                 metrics.flows_reclaimed

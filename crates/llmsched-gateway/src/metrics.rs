@@ -183,13 +183,15 @@ impl Counters {
         self.rejections.render(
             out,
             &format!("{P}_rejections"),
-            "Requests refused by the gateway, by reason",
+            "Requests refused by the gateway, by reason (the dropped-reason header value for \
+             flow-control refusals)",
             &["reason"],
         );
         self.upstream_errors.render(
             out,
             &format!("{P}_upstream_errors"),
-            "Failed upstream attempts, by endpoint and kind",
+            "Failed upstream attempts, by endpoint and kind (connect, timeout, status_5xx, broken, \
+             truncated)",
             &["endpoint", "kind"],
         );
         let plain = |out: &mut String, name: &str, help: &str, value: &AtomicU64| {
@@ -219,7 +221,7 @@ impl Counters {
         self.breaker_opens.render(
             out,
             &format!("{P}_breaker_opens"),
-            "Times an endpoint's circuit breaker opened",
+            "Times an endpoint's circuit breaker opened (failure rate over the window)",
             &["endpoint"],
         );
         self.probes.render(
@@ -237,13 +239,15 @@ impl Counters {
         self.truncated.render(
             out,
             &format!("{P}_truncated_answers"),
-            "Engine answers cut off after their status line, by what the client got",
+            "Engine answers cut off or timed out after their status line, by what the client \
+             got (error: a 502 before any byte; reset: connection reset mid-body; sse_error: an \
+             SSE error event, then the stream closed without [DONE])",
             &["endpoint", "outcome"],
         );
         plain(
             out,
             "tenants_folded",
-            "Requests whose header tenant came past limits.max_tenants",
+            "Requests whose header tenant came past limits.max_tenants (served as ~overflow)",
             &self.tenants_folded,
         );
         let connections = self.connections.load(Ordering::Relaxed);
@@ -386,11 +390,12 @@ impl Default for Histograms {
 impl Histograms {
     /// Appends their exposition text.
     pub fn render(&self, out: &mut String) {
-        self.decision.render(out, "decision_seconds", "Time of one routing decision");
+        self.decision.render(out, "decision_seconds", "Time of one routing decision (Router.pick)");
         self.overhead.render(
             out,
             "overhead_seconds",
-            "Time from a request's arrival to its upstream send, without flow-control queueing",
+            "Time from a request's arrival to its upstream send, without flow-control queueing \
+             (auth, parsing, tokenization, admission, routing)",
         );
         self.admission_wait.render(
             out,

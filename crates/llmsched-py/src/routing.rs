@@ -633,7 +633,7 @@ impl PyRouter {
             .map_err(routing_err)?;
         Ok(PyDecision {
             router: slf.clone().unbind(),
-            decision,
+            decision: Arc::new(decision),
             ticket: Mutex::new(TicketState::Picked),
         })
     }
@@ -651,7 +651,8 @@ enum TicketState {
 #[pyclass(frozen, module = "llmsched._llmsched", name = "Decision")]
 pub struct PyDecision {
     router: Py<PyRouter>,
-    decision: Decision,
+    /// Shared with the decisions [`PyDecision::again`] makes.
+    decision: Arc<Decision>,
     ticket: Mutex<TicketState>,
 }
 
@@ -881,6 +882,17 @@ impl PyDecision {
                 Stage::Finished => "finished",
             },
             TicketState::Closed => "finished",
+        }
+    }
+
+    /// A fresh decision with this one's choice, fallbacks and scores, not started (`started`
+    /// may then send it to a fallback): a retry's, as the native data plane commits the same
+    /// decision again, without a new pick that would move a stateful picker (round-robin).
+    fn again(&self, py: Python<'_>) -> PyDecision {
+        PyDecision {
+            router: self.router.clone_ref(py),
+            decision: Arc::clone(&self.decision),
+            ticket: Mutex::new(TicketState::Picked),
         }
     }
 

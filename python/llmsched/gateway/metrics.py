@@ -45,6 +45,11 @@ KV_FAILING_HELP = (
     "backoff; the log names the endpoint and the error)"
 )
 
+ENDPOINT_IN_FLIGHT_HELP = (
+    "Requests this gateway started on an endpoint and has not finished (endpoints in routing; "
+    "other replicas' requests are not counted)"
+)
+
 # Decisions take tens of microseconds; requests through the gateway take milliseconds.
 _DECISION_BUCKETS = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,
@@ -291,12 +296,13 @@ class _StateCollector(Collector):
         )
         if self._endpoints is not None:
             in_flight = GaugeMetricFamily(
-                f"{PREFIX}_endpoint_in_flight",
-                "Requests started on an endpoint and not finished (endpoints in routing)",
-                labels=["endpoint"],
+                f"{PREFIX}_endpoint_in_flight", ENDPOINT_IN_FLIGHT_HELP, labels=["endpoint"]
             )
             for endpoint in self._endpoints():
-                in_flight.add_metric([str(endpoint["id"])], endpoint["in_flight_requests"])
+                # This gateway's own, as on the native plane: the pool's count adds the other
+                # replicas' (replica sync), which a sum over the replicas would count again.
+                own = endpoint["in_flight_requests"] - endpoint["remote_in_flight_requests"]
+                in_flight.add_metric([str(endpoint["id"])], max(own, 0))
             yield in_flight
         if self._scrapes is not None:
             failures = CounterMetricFamily(

@@ -231,8 +231,10 @@ struct Endpoint {
     load: EndpointLoad,
     kv_free_tokens: f64,
     /// Taken out ([`SliceTracker::remove_endpoint`]): no migration target, not listed, until
-    /// reported again. Its id stays, for the requests that still name it.
+    /// reported again. Its id stays while requests still name it, then its slot is freed.
     gone: bool,
+    /// References from tracked requests (their `endpoint` and `route_to`, one each).
+    users: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -278,8 +280,13 @@ pub struct SliceTracker {
     policy: Box<dyn SlicePolicy>,
     cost: SwitchCostModel,
     requests: HashMap<RequestKey, Request>,
+    /// Slots by id; a freed one (gone, no user, its name out of `endpoint_ids`) is reused.
     endpoints: Vec<Endpoint>,
     endpoint_ids: HashMap<Arc<str>, EndpointId>,
+    /// Freed slots, reused by the next new name: the tracker holds the endpoints known now
+    /// and those requests still name, not every name ever reported (discovery renames pods
+    /// at every rollout).
+    free: Vec<EndpointId>,
 }
 
 impl SliceTracker {
@@ -290,6 +297,7 @@ impl SliceTracker {
             requests: HashMap::new(),
             endpoints: Vec::new(),
             endpoint_ids: HashMap::new(),
+            free: Vec::new(),
         }
     }
 
@@ -354,14 +362,49 @@ impl SliceTracker {
 
     /// Takes endpoint `name` out (it left the engine set, or routing: drained, down, its
     /// breaker open): it is no migration target any more, whatever load it last reported, and
-    /// is not listed. Requests whose slices ran there keep it. [`Self::set_endpoint`] brings
-    /// it back with a fresh load (the cost model's for what the report leaves out). False
-    /// when it was unknown or already out.
+    /// is not listed. Requests whose slices ran there keep it; once none names it, it is
+    /// forgotten (unknown to [`Self::admit`] and [`Self::resume`]) and its slot is reused.
+    /// [`Self::set_endpoint`] brings it back with a fresh load (the cost model's for what the
+    /// report leaves out). False when it was unknown or already out.
     pub fn remove_endpoint(&mut self, name: &str) -> bool {
-        match self.endpoint_ids.get(name) {
-            Some(&id) => !std::mem::replace(&mut self.endpoints[id as usize].gone, true),
-            None => false,
+        let Some(&id) = self.endpoint_ids.get(name) else { return false };
+        let endpoint = &mut self.endpoints[id as usize];
+        if std::mem::replace(&mut endpoint.gone, true) {
+            return false;
         }
+        if endpoint.users == 0 {
+            self.free_slot(id);
+        }
+        true
+    }
+
+    /// Forgets the name of slot `id` (gone, no user) and keeps the slot for reuse.
+    fn free_slot(&mut self, id: EndpointId) {
+        let endpoint = &mut self.endpoints[id as usize];
+        debug_assert!(endpoint.gone && endpoint.users == 0);
+        let name = std::mem::replace(&mut endpoint.name, Arc::from(""));
+        self.endpoint_ids.remove(&name);
+        self.free.push(id);
+    }
+
+    /// One more request reference to slot `id`.
+    fn hold(&mut self, id: EndpointId) {
+        self.endpoints[id as usize].users += 1;
+    }
+
+    /// One request reference to slot `id` fewer; frees a slot taken out when it was the last.
+    fn release(&mut self, id: EndpointId) {
+        let endpoint = &mut self.endpoints[id as usize];
+        endpoint.users -= 1;
+        if endpoint.users == 0 && endpoint.gone {
+            self.free_slot(id);
+        }
+    }
+
+    /// Releases both references of a request that leaves the tracker.
+    fn release_request(&mut self, request: &Request) {
+        self.release(request.endpoint);
+        self.release(request.route_to);
     }
 
     /// Adds endpoint `name` or updates its load (bringing it back when taken out).
@@ -391,11 +434,22 @@ impl SliceTracker {
                 endpoint.gone = false;
             }
             None => {
-                let id = EndpointId::try_from(self.endpoints.len())
-                    .map_err(|_| invalid("endpoint", "too many endpoints"))?;
                 let name: Arc<str> = Arc::from(name);
-                self.endpoint_ids.insert(name.clone(), id);
-                self.endpoints.push(Endpoint { name, load, kv_free_tokens, gone: false });
+                let endpoint =
+                    Endpoint { name: name.clone(), load, kv_free_tokens, gone: false, users: 0 };
+                let id = match self.free.pop() {
+                    Some(id) => {
+                        self.endpoints[id as usize] = endpoint;
+                        id
+                    }
+                    None => {
+                        let id = EndpointId::try_from(self.endpoints.len())
+                            .map_err(|_| invalid("endpoint", "too many endpoints"))?;
+                        self.endpoints.push(endpoint);
+                        id
+                    }
+                };
+                self.endpoint_ids.insert(name, id);
             }
         }
         Ok(())
@@ -426,6 +480,8 @@ impl SliceTracker {
         let endpoint = self.endpoint_id(endpoint)?;
         let level = self.policy.entry_level(prompt_tokens);
         let slice_tokens = self.policy.quantum(level).min(max_tokens);
+        self.hold(endpoint);
+        self.hold(endpoint);
         self.requests.insert(
             key,
             Request {
@@ -485,6 +541,7 @@ impl SliceTracker {
         }
         if done {
             self.requests.remove(&key);
+            self.release_request(&request);
             return Ok(self.finish_decision(&request));
         }
         let level = self.policy.level_after_quantum(request.level);
@@ -494,11 +551,14 @@ impl SliceTracker {
         stored.level = level;
         stored.slice_generated = 0;
         stored.slice_tokens = next_slice_tokens;
+        let route_to = stored.route_to;
         match trade.action {
             Action::Continue => stored.slices += 1,
             _ => {
                 stored.phase = Phase::Paused { since: now };
                 stored.route_to = trade.target;
+                self.hold(trade.target);
+                self.release(route_to);
             }
         }
         Ok(Decision {
@@ -633,13 +693,20 @@ impl SliceTracker {
             return Err(SliceError::WrongPhase { key, expected: "paused", actual: "running" });
         }
         let slice_tokens = self.policy.quantum(request.level).min(request.remaining());
+        let before = (request.endpoint, request.route_to);
         request.phase = Phase::Running;
         request.endpoint = endpoint;
         request.route_to = endpoint;
         request.slices += 1;
         request.slice_generated = 0;
         request.slice_tokens = slice_tokens;
-        Ok(SliceStart { level: request.level, slice_tokens })
+        let level = request.level;
+        // Held before the old ones go: a slot taken out that the request stays on is kept.
+        self.hold(endpoint);
+        self.hold(endpoint);
+        self.release(before.0);
+        self.release(before.1);
+        Ok(SliceStart { level, slice_tokens })
     }
 
     /// Promotes to level 0 every paused request that has waited `promote_after_s` or longer by
@@ -666,7 +733,13 @@ impl SliceTracker {
 
     /// Stops tracking `key` (cancelled or failed); returns whether it was tracked.
     pub fn remove(&mut self, key: RequestKey) -> bool {
-        self.requests.remove(&key).is_some()
+        match self.requests.remove(&key) {
+            Some(request) => {
+                self.release_request(&request);
+                true
+            }
+            None => false,
+        }
     }
 
     /// A snapshot of request `key`.

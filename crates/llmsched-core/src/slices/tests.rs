@@ -176,6 +176,101 @@ fn an_endpoint_taken_out_is_no_migration_target_until_reported_again() {
     assert_eq!(&*t.get(1).unwrap().endpoint, "a");
 }
 
+/// The slot bookkeeping agrees with the requests: each slot's users are the references of
+/// the tracked requests, the names map the slots in use, and a slot taken out that no request
+/// names is freed.
+fn check_slots(t: &SliceTracker) {
+    let mut users = vec![0u32; t.endpoints.len()];
+    for request in t.requests.values() {
+        users[request.endpoint as usize] += 1;
+        users[request.route_to as usize] += 1;
+    }
+    for (id, endpoint) in t.endpoints.iter().enumerate() {
+        let id = EndpointId::try_from(id).unwrap();
+        assert_eq!(endpoint.users, users[id as usize], "slot {id}");
+        let freed = t.free.contains(&id);
+        assert_eq!(freed, endpoint.gone && endpoint.users == 0, "slot {id}");
+        if !freed {
+            assert_eq!(t.endpoint_ids.get(&endpoint.name), Some(&id));
+        }
+    }
+    assert_eq!(t.endpoint_ids.len() + t.free.len(), t.endpoints.len());
+}
+
+#[test]
+fn endpoints_taken_out_are_forgotten_once_no_request_names_them() {
+    // Probe 82: an endpoint taken out kept its slot (and its name) for good, so a gateway
+    // whose discovery renames the pods at every rollout grew by one entry per name ever seen.
+    let mut t = tracker("fixed", r#"{"slice_tokens": 100}"#);
+    assert!(t.remove_endpoint("a"));
+    let pod = |i: u64| format!("pod-{i}");
+    for i in 0..20_000u64 {
+        t.set_endpoint(&pod(i), EndpointReport::default()).unwrap();
+        t.admit(i, 10, 1_000, 0, &pod(i)).unwrap();
+        if i >= 1 {
+            // The previous pod leaves while its request still runs there.
+            assert!(t.remove_endpoint(&pod(i - 1)));
+            assert!(t.endpoint_load(&pod(i - 1)).is_none());
+            assert_eq!(&*t.get(i - 1).unwrap().endpoint, pod(i - 1).as_str());
+        }
+        if i >= 2 {
+            // The one before ends: its pod, out and named by no request, is forgotten.
+            if i % 2 == 0 {
+                assert!(t.remove(i - 2));
+            } else {
+                let left = t.get(i - 2).unwrap().slice_tokens;
+                t.record_tokens(i - 2, left).unwrap();
+                assert_eq!(t.decide(i - 2, true, &[], 1.0).unwrap().action, Action::Finish);
+            }
+            assert!(!t.remove_endpoint(&pod(i - 2)));
+            let refused = t.admit(u64::MAX, 10, 10, 0, &pod(i - 2));
+            assert_eq!(refused, Err(SliceError::UnknownEndpoint(pod(i - 2))));
+        }
+        if i % 1_000 == 0 {
+            check_slots(&t);
+        }
+    }
+    check_slots(&t);
+    assert!(t.endpoints.len() <= 3, "{} slots", t.endpoints.len());
+    assert_eq!(t.endpoint_ids.len(), 2);
+    assert_eq!(t.endpoint_names(), vec![Arc::<str>::from(pod(19_999).as_str())]);
+}
+
+#[test]
+fn a_paused_request_keeps_the_endpoints_it_names() {
+    // Taken out while a paused request runs there and is routed to another taken out too:
+    // both stay (named in its view, resumable) until it moves on, then both are forgotten.
+    let mut t = tracker("fixed", r#"{"slice_tokens": 500}"#);
+    t.set_endpoint("c", EndpointReport::default()).unwrap();
+    t.admit(1, 1000, 10_000, 0, "a").unwrap();
+    let d = boundary(&mut t, 1, &[short(400)]);
+    assert_eq!((d.action, d.endpoint.as_deref()), (Action::Migrate, Some("c")));
+    assert!(t.remove_endpoint("a") && t.remove_endpoint("c"));
+    check_slots(&t);
+    let view = t.get(1).unwrap();
+    assert_eq!((&*view.endpoint, &*view.route_to), ("a", "c"));
+    t.set_endpoint("d", EndpointReport::default()).unwrap();
+    assert_eq!(t.endpoints.len(), 3); // no slot free yet
+    t.resume(1, "d").unwrap();
+    check_slots(&t);
+    assert_eq!(t.endpoint_names(), vec![Arc::<str>::from("d")]);
+    assert_eq!(t.endpoint_ids.len(), 1);
+    assert_eq!(t.free.len(), 2);
+    // Resuming on the endpoint it ran on, taken out meanwhile, keeps that one.
+    let d = boundary(&mut t, 1, &[short(400)]);
+    assert_eq!(d.action, Action::Yield);
+    assert!(t.remove_endpoint("d"));
+    t.resume(1, "d").unwrap();
+    check_slots(&t);
+    assert!(t.remove(1));
+    check_slots(&t);
+    assert!(t.endpoint_ids.is_empty());
+    // A new name takes a freed slot.
+    t.set_endpoint("e", EndpointReport::default()).unwrap();
+    assert_eq!(t.endpoints.len(), 3);
+    check_slots(&t);
+}
+
 #[test]
 fn a_yield_with_nothing_evicted_still_pays_for_the_last_block() {
     let mut t = tracker("fixed", r#"{"slice_tokens": 100}"#);
@@ -364,6 +459,7 @@ proptest! {
                 prop_assert!(view.generated_tokens <= max_tokens);
                 prop_assert_eq!(view.slice_tokens, budget);
             }
+            check_slots(&t);
         }
     }
 }
