@@ -15,7 +15,7 @@ import logging
 import numpy as np
 import pytest
 
-from llmsched import EndpointPool, PrefixIndex, Router
+from llmsched import EndpointPool, PrefixIndex, Router, Scheduler
 from llmsched.routing import (
     TOKEN_CHECK_GIVE_UP_S,
     TOKEN_CHECK_MIN_TOKENS,
@@ -128,3 +128,44 @@ def test_no_verdict_without_events_after_the_pick_or_on_short_prompts(
         alone.pick(tokens=p, now=float(i)).started(now=float(i))
     assert alone.stats()["token_prompts_unconfirmed"] == 0
     assert not mismatch_warnings(caplog)
+
+
+def test_the_warning_is_listed_in_router_warnings_and_counted() -> None:
+    router, index = fleet()
+    assert router.token_warning is None
+    before = router.warnings
+    engine = prompts(int(TOKEN_CHECK_GIVE_UP_S) + TOKEN_CHECK_VERDICT + 20)
+    serve(router, index, engine, [[BOS, *p] for p in engine])
+    token = router.token_warning
+    assert token is not None and "BOS token added twice" in token
+    assert router.warnings == [*before, token]
+    assert router.stats()["config_warnings"] == len(before) + 1
+    # The text stays as logged (the count then), while later checks go on counting.
+    unconfirmed = router.stats()["token_prompts_unconfirmed"]
+    serve(router, index, engine[:40], [[BOS, *p] for p in engine[:40]])
+    assert router.stats()["token_prompts_unconfirmed"] >= unconfirmed
+    assert router.warnings == [*before, token]
+
+
+def test_a_scheduler_lists_its_routers_token_warning() -> None:
+    """Scheduler.warnings (the gateway's llmsched_gateway_config_warnings) shows it too."""
+    scheduler = Scheduler(["a", "b"], router="llm-d", block_size=BLOCK, seed=0)
+    before = scheduler.warnings
+    count = scheduler.stats()["config_warnings"]
+    engine = prompts(int(TOKEN_CHECK_GIVE_UP_S) + TOKEN_CHECK_VERDICT + 20)
+    # The scheduler's own router and index, as its placements use them.
+    serve(scheduler.router, scheduler.index, engine, [[BOS, *p] for p in engine])
+    token = scheduler.router.token_warning
+    assert token is not None
+    assert scheduler.warnings == [*before, token]
+    assert scheduler.stats()["config_warnings"] == count + 1
+
+
+def test_a_scheduler_whose_tokens_match_lists_nothing_more() -> None:
+    scheduler = Scheduler(["a", "b"], router="llm-d", block_size=BLOCK, seed=0)
+    before = scheduler.warnings
+    engine = prompts(int(TOKEN_CHECK_GIVE_UP_S) + TOKEN_CHECK_VERDICT + 20)
+    serve(scheduler.router, scheduler.index, engine, engine)
+    assert scheduler.router.stats()["token_prompts_confirmed"] >= TOKEN_CHECK_VERDICT
+    assert scheduler.router.token_warning is None
+    assert scheduler.warnings == before

@@ -182,7 +182,7 @@ class _TokenCheck:
     events kept arriving, and none ever found, is warned of once (:data:`TOKEN_MISMATCH_NOTE`).
     """
 
-    __slots__ = ("_lock", "_pending", "confirmed", "next_at", "unconfirmed", "warned")
+    __slots__ = ("_lock", "_pending", "confirmed", "next_at", "unconfirmed", "warned", "warning")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -192,6 +192,7 @@ class _TokenCheck:
         self.confirmed = 0
         self.unconfirmed = 0
         self.warned = False
+        self.warning: str | None = None  # the note as warned (its count then), for warnings
 
     def step(
         self,
@@ -229,9 +230,10 @@ class _TokenCheck:
                 not self.warned and self.confirmed == 0 and self.unconfirmed >= TOKEN_CHECK_VERDICT
             )
             if warn:
+                self.warning = self.note()
                 self.warned = True
         if warn:
-            _warn(f"router: {self.note()}")
+            _warn(f"router: {self.warning}")
 
     def note(self) -> str:
         """The warning, with the count of prompts checked."""
@@ -806,8 +808,9 @@ class Router:
     def stats(self) -> dict[str, int]:
         """``pseudo_token_picks``: text or chat picks made while the index was fed by engine
         events (see ``allow_pseudo_tokens``); they cannot match the engines' cached prefixes.
-        ``config_warnings``: how many notes the configuration gave (:attr:`warnings`: settings
-        without effect, a scorer that can never change a decision, wiring the caller lacks).
+        ``config_warnings``: how many notes :attr:`warnings` lists (the configuration's:
+        settings without effect, a scorer that can never change a decision, wiring the caller
+        lacks; and :attr:`token_warning` once given).
         ``token_prompts_confirmed`` / ``token_prompts_unconfirmed``: of the token prompts
         sampled on an index fed by engine events (one a second at most, of 512 tokens or more),
         those whose first block an engine reported within 60 s of the pick, and those it did
@@ -823,7 +826,7 @@ class Router:
         check = self._token_check
         return {
             "pseudo_token_picks": self._pseudo_picks,
-            "config_warnings": len(self._warnings),
+            "config_warnings": len(self._warnings) + (check.warning is not None),
             "token_prompts_confirmed": check.confirmed,
             "token_prompts_unconfirmed": check.unconfirmed,
         }
@@ -835,8 +838,23 @@ class Router:
 
     @property
     def warnings(self) -> list[str]:
-        """The configuration's notes and the wiring it lacks, as logged when it was built."""
-        return list(self._warnings)
+        """The configuration's notes and the wiring it lacks, as logged when it was built, then
+        :attr:`token_warning` once the router gave it."""
+        token = self._token_check.warning
+        return [*self._warnings] if token is None else [*self._warnings, token]
+
+    @property
+    def token_warning(self) -> str | None:
+        """The warning that the token ids given to :meth:`pick` never matched a block the
+        engines reported (:data:`TOKEN_MISMATCH_NOTE`, with the count of prompts checked when
+        it was logged), or None while it was not given: see ``stats()["token_prompts_..."]``.
+        :class:`~llmsched.Scheduler` lists it in its ``warnings``, so the gateway counts it in
+        ``llmsched_gateway_config_warnings``.
+
+        >>> Router(EndpointPool(["a"])).token_warning is None
+        True
+        """
+        return self._token_check.warning
 
     @property
     def reads_roles(self) -> bool:

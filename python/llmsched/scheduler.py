@@ -1682,9 +1682,11 @@ class Scheduler:
     @property
     def warnings(self) -> list[str]:
         """The configuration's notes (the router's, the caller's ``notes`` and the
-        scheduler's own), and one for each scheduled engine whose KV events the index skipped
+        scheduler's own), one for each scheduled engine whose KV events the index skipped
         because their block size is not a multiple of the index's (``index.stats()
-        ["block_size_mismatch"]``; the index logs that once per engine).
+        ["block_size_mismatch"]``; the index logs that once per engine), and the router's
+        :attr:`~llmsched.Router.token_warning` once given (the token ids picks were given
+        never matched a block the engines reported).
 
         >>> s = Scheduler(["a"], router="round-robin", block_size=16)
         >>> s.warnings
@@ -1695,12 +1697,14 @@ class Scheduler:
         >>> s.stats()["config_warnings"]
         1
         """
+        token = self.router.token_warning
         with self._engines_lock:  # the notes of one engine set
             return [
                 *self._warnings,
                 *self._block_size_notes(),
                 *self._engine_block_size_notes(),
                 *self._extra_keys_notes(),
+                *(() if token is None else (token,)),
             ]
 
     def note_engine_block_size(self, worker: EndpointId, block_size: int) -> None:
