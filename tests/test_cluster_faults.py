@@ -301,6 +301,7 @@ def test_a_short_blip_costs_what_was_routed_during_it_not_every_peers_history(
             await asyncio.sleep(0.5)  # the last answers in
             await spy.close()
             assert sum(traffic) < history // 4, (sum(traffic), len(traffic), history)
+            print("TRAFFIC", sum(traffic), len(traffic), history)
             assert len(traffic) < 40, len(traffic)
             served = sum(s.stats()["catch_up_bytes_out"] for s in syncs)
             assert served < history // 4, served
