@@ -7,6 +7,8 @@ tokens queried, for 7,200 prompt tokens."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -73,3 +75,59 @@ def test_each_request_is_counted_once_at_admission(engine: str) -> None:
     assert queries == int(requests["prompt"].sum())
     assert hits == int(np.maximum(requests["cached"], 0).sum()) > 0
     assert 0 < summary["prefix_hit_rate"] < 1
+
+
+def _sliced_with_preemption(tmp_path: Path) -> ScenarioConfig:
+    # One replica with two sequence slots and 384 KV tokens, mlfq slices (16, 32, 64 tokens):
+    # four 200-token answers do not fit together, so requests are preempted, and at slice
+    # boundaries running requests yield to those waiting.
+    rows = [(0.0, 64, 200), (0.01, 16, 200), (0.02, 64, 200), (0.03, 16, 200)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": t, "input_length": prompt, "output_length": output}) + "\n"
+            for t, prompt, output in rows
+        )
+    )
+    return ScenarioConfig.from_dict(
+        {
+            "replicas": 1,
+            "engine": {"kv_tokens": 384, "max_num_seqs": 2},
+            "step_model": {"linear": {"b0": 0.02, "b1": 1e-4, "b2": 0.0}, "profile": None},
+            "slices": {
+                "policy": "mlfq",
+                "params": {"base_quantum": 16, "levels": 3, "join_ratio": 1.0},
+            },
+            "workload": {
+                "kind": "trace",
+                "path": str(path),
+                "timestamp_unit": "s",
+                "hash_block": 16,
+            },
+        }
+    )
+
+
+@pytest.mark.parametrize("engine", ["rust", "python"])
+def test_a_slice_continuation_is_counted_after_an_earlier_preemption(
+    tmp_path: Path, engine: str
+) -> None:
+    """Probe 84: a yielded slice's continuation is a new call to the engine (prompt plus the
+    output so far), counted at its admission like any request, even when the request was
+    preempted in an earlier slice. Both engines left out every admission of a request once
+    preempted (the check was its preemption count), so here they read 128 hit tokens over 320
+    queried instead of 304 over 512."""
+    sim = Simulation(_sliced_with_preemption(tmp_path), "round-robin", engine=engine)
+    summary = sim.run().summary()
+    assert summary["completed"] == 4 and summary["preemptions"] == 2
+    assert sim.slice_switches == 3
+    assert sim.record is not None
+    requests = sim.record.requests
+    assert [int(n) for n in requests["preemptions"][np.argsort(requests["id"])]] == [0, 1, 1, 0]
+    # Counted: the four prompts (64 + 16 + 64 + 16 tokens, nothing cached) and the three
+    # continuations. Request 3 yields after 16 tokens (32 queried, its 16-token prompt block
+    # cached) and request 2 after 64 (128 queried, 112 cached). Request 1, preempted in its
+    # first slice (its readmission left out), yields after 176 tokens: 192 queried, 176 of
+    # them its own blocks still cached.
+    assert _counts(sim) == (16 + 112 + 176, 64 + 16 + 64 + 16 + 32 + 128 + 192)
+    assert summary["prefix_hit_rate"] == pytest.approx(304 / 512)

@@ -222,6 +222,10 @@ struct Req {
     prefilled: u64,
     recomputed: u64,
     preemptions: u64,
+    /// Preempted since its last admission: the next admission is a readmission, which vLLM
+    /// counts apart from its prefix-cache queries. Cleared at admission, so a later token
+    /// slice's continuation (a new call) is counted.
+    readmitting: bool,
     rejected: bool,
     ticket: Option<Ticket>,
     /// The router replica that routed it.
@@ -1147,6 +1151,7 @@ impl<'p> World<'p> {
             prefilled: 0,
             recomputed: 0,
             preemptions: 0,
+            readmitting: false,
             rejected: false,
             ticket: None,
             router: 0,
@@ -1969,6 +1974,7 @@ impl Replica {
         q.phase = WAITING;
         q.version += 1;
         q.preemptions += 1;
+        q.readmitting = true;
         self.counters.preemptions += 1;
         self.wait(victim, true, w);
         Ok(())
@@ -2081,8 +2087,9 @@ impl Replica {
             if let Some(hit) = looked_up {
                 // vLLM's prefix-cache counters: recorded at admission (a lookup whose blocks
                 // did not fit is not counted; it is looked up again), and a preempted request's
-                // readmission is counted apart, outside `vllm:prefix_cache_queries`.
-                if q.preemptions == 0 {
+                // readmission is counted apart, outside `vllm:prefix_cache_queries`. A token
+                // slice's continuation is a new call: counted, preempted before or not.
+                if !std::mem::take(&mut q.readmitting) {
                     self.counters.hit_tokens += hit;
                     self.counters.query_tokens += q.target;
                 }

@@ -59,6 +59,7 @@ class Request:
         "prefilled_tokens",
         "priority",
         "prompt_len",
+        "readmitting",
         "recomputed_tokens",
         "rejected",
         "replica",
@@ -118,6 +119,9 @@ class Request:
         self.prefilled_tokens = 0
         self.recomputed_tokens = 0
         self.preemptions = 0
+        # Preempted since its last admission: the next one is a readmission, left out of the
+        # prefix-cache counters (cleared at admission; a slice continuation is counted).
+        self.readmitting = False
         self.rejected = False
         self.call_end = 0  # token slices: this call stops when generated reaches it
         self.slice_start = 0  # tokens generated when the current slice began

@@ -365,6 +365,7 @@ class Replica:
         victim.phase = WAITING
         victim.version += 1
         victim.preemptions += 1
+        victim.readmitting = True
         self.preemptions += 1
         self._wait(victim, front=True)
 
@@ -449,8 +450,11 @@ class Replica:
             if looked_up >= 0:
                 # vLLM's prefix-cache counters: recorded at admission (a lookup whose blocks
                 # did not fit is looked up again, not counted), a preempted request's
-                # readmission apart from them (outside vllm:prefix_cache_queries).
-                if req.preemptions == 0:
+                # readmission apart from them (outside vllm:prefix_cache_queries). A token
+                # slice's continuation is a new call: counted, preempted before or not.
+                if req.readmitting:
+                    req.readmitting = False
+                else:
                     self.hit_tokens += looked_up
                     self.query_tokens += req.target
                 if req.cached_tokens < 0:
