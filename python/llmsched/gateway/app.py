@@ -2269,26 +2269,17 @@ def _presented_key(request: web.Request) -> str | None:
 
 
 def _wide_encoding(body: bytes) -> str | None:
-    """``"UTF-16"`` or ``"UTF-32"`` when ``body`` is JSON in one of those (its byte order
-    mark, or the zero bytes beside its first ASCII character), read as ``json.detect_encoding``
-    reads them: such a body is refused by name rather than transcoded, as on the native plane
-    (bodies are forwarded as sent).
+    """``"UTF-16"`` or ``"UTF-32"`` when ``body`` is JSON in one of those, as
+    ``json.detect_encoding`` reads it: such a body is refused by name rather than transcoded, as
+    on the native plane (bodies are forwarded as sent).
 
     >>> _wide_encoding('{"a": 1}'.encode("utf-16")), _wide_encoding('{}'.encode("utf-32-be"))
     ('UTF-16', 'UTF-32')
     >>> _wide_encoding(b'{"a": 1}') is None
     True
     """
-    if body.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
-        return "UTF-32"
-    if body.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-        return "UTF-16"
-    head = body[:4]
-    if len(head) == 4 and (head[:2] == b"\0\0" or head[1:] == b"\0\0\0"):
-        return "UTF-32"
-    if b"\0" in head[:2]:
-        return "UTF-16"
-    return None
+    encoding = json.detect_encoding(body)
+    return encoding[:6].upper() if encoding.startswith(("utf-16", "utf-32")) else None
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
