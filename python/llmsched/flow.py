@@ -633,9 +633,10 @@ class FlowController:
     async def admit(self, request: FlowRequest) -> FlowDecision:
         """Enqueues ``request`` and returns its :class:`FlowDecision` once dispatched; raises
         :class:`~llmsched.errors.FlowRejected` (with outcome, HTTP status and reason) when it
-        is refused or evicted. Cancelling the awaiting task cancels the request; if it was
-        dispatched in the same instant, it is completed on the caller's behalf. An id that is
-        queued or running already (whoever enqueued it) raises
+        is refused or evicted. Cancelling the awaiting task cancels the request (so does any
+        other end of the wait: the coroutine closed unfinished, an exception from ``clock``);
+        if it was dispatched in the same instant, it is completed on the caller's behalf. An
+        id that is queued or running already (whoever enqueued it) raises
         :class:`~llmsched.errors.DuplicateRequestError` and changes nothing; once its request
         has left, the id may be used again, and each call only ever gets, cancels or releases
         its own request (pass ``ticket=decision.ticket`` to :meth:`complete` and
@@ -665,10 +666,12 @@ class FlowController:
         if refused is not None:
             self._waiters.pop(ticket, None)
             raise FlowRejected(request.id, refused)
-        self.pump()
         try:
+            self.pump()
             decision = await self._wait(future, self._expiry_of(request))
-        except asyncio.CancelledError:
+        except BaseException:
+            # Cancelled, or the wait ended another way (the coroutine closed unfinished, a
+            # clock that failed): its request must not stay queued, or run, for nobody.
             self._abandon(request.id, ticket, future)
             raise
         if decision.outcome != Outcome.DISPATCHED:
@@ -702,6 +705,9 @@ class FlowController:
         cancelled = self._core.cancel(request_id, self._clock(), ticket)
         if cancelled is not None:
             self._waiters.pop(ticket, None)
+            return
+        if future.done():  # released now: its loop may be closing, or closed
+            self._release(request_id, ticket, future)
             return
         future.add_done_callback(lambda f: self._release(request_id, ticket, f))
 

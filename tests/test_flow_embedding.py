@@ -1,0 +1,303 @@
+"""Flow control and the scheduler embedded in an asyncio gateway (probe 87): every way an
+admit's wait can end gives its request back, and a thread pool on the synchronous API beside
+the event loop keeps capacity and the counters right."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from llmsched import Scheduler, ScheduleRequest
+from llmsched.errors import FlowRejected
+from llmsched.flow import FlowController, FlowRequest
+
+ONE_SLOT = {"saturation": {"type": "concurrency", "max_requests": 1}}
+
+
+def _left_nothing(ctrl: FlowController) -> None:
+    assert len(ctrl) == 0, "a request stayed queued"
+    assert ctrl.running_count() == 0, "a request stayed running"
+    assert ctrl.pump() == 0 and ctrl.dispatch() is None
+
+
+def _blocked(ctrl: FlowController) -> None:
+    """Fills the one slot, so the next admit waits."""
+    assert ctrl.enqueue(FlowRequest(100)) is None
+    decision = ctrl.dispatch()
+    assert decision is not None and decision.id == 100
+
+
+@pytest.mark.timeout(30)
+def test_an_admit_whose_coroutine_is_closed_while_queued_cancels_its_request() -> None:
+    """A coroutine closed at its await (a task garbage-collected unfinished, a framework
+    closing it) gets GeneratorExit, not CancelledError: the request stayed queued, and once a
+    slot freed it was dispatched to a future nobody awaited and ran for ever."""
+    ctrl = FlowController(ONE_SLOT)
+    _blocked(ctrl)
+
+    async def main() -> None:
+        coro = ctrl.admit(FlowRequest(1, tenant="gone"))
+        coro.send(None)  # runs to its wait
+        assert ctrl.is_queued(1)
+        coro.close()
+        assert not ctrl.is_queued(1)
+        ctrl.complete(100)
+
+    asyncio.run(main())
+    _left_nothing(ctrl)
+    outcomes = ctrl.metrics()["outcomes"]
+    assert outcomes["evicted_cancelled"] == 1 and outcomes["dispatched"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_an_admit_closed_once_dispatched_releases_its_request() -> None:
+    """The decision reached the admit's future, and its coroutine was closed before it ran
+    on: the slot is given back at once (nobody will hold it)."""
+    ctrl = FlowController(ONE_SLOT)
+    _blocked(ctrl)
+
+    async def main() -> None:
+        coro = ctrl.admit(FlowRequest(1))
+        coro.send(None)
+        ctrl.complete(100)  # dispatches request 1 to the waiting admit
+        assert ctrl.is_running(1)
+        coro.close()
+        assert not ctrl.is_running(1)
+
+    asyncio.run(main())
+    _left_nothing(ctrl)
+    assert ctrl.metrics()["outcomes"]["dispatched"] == 2
+
+
+class _FlakyClock:
+    """A monotonic clock that raises once, when told to."""
+
+    def __init__(self) -> None:
+        self.fail_next = False
+
+    def __call__(self) -> float:
+        if self.fail_next:
+            self.fail_next = False
+            raise OSError("the clock failed")
+        return time.monotonic()
+
+
+@pytest.mark.timeout(30)
+def test_an_admit_whose_clock_fails_while_it_waits_cancels_its_request() -> None:
+    """An exception other than a cancellation out of the wait (here the controller's clock,
+    read when the admit polls) left the request queued for nobody."""
+    clock = _FlakyClock()
+    ctrl = FlowController(ONE_SLOT, clock=clock, poll_interval_s=0.005)
+    _blocked(ctrl)
+
+    async def main() -> None:
+        task = asyncio.create_task(ctrl.admit(FlowRequest(1)))
+        await asyncio.sleep(0.001)
+        assert ctrl.is_queued(1)
+        clock.fail_next = True
+        with pytest.raises(OSError, match="the clock failed"):
+            await task
+        assert not ctrl.is_queued(1)
+        ctrl.complete(100)  # the controller goes on: the slot is not given to request 1
+
+    asyncio.run(main())
+    _left_nothing(ctrl)
+    assert ctrl.metrics()["outcomes"]["evicted_cancelled"] == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_dispatch_for_an_admit_whose_loop_closed_gives_the_slot_back() -> None:
+    """A loop closed with an admit still waiting (never cancelled): the dispatch meant for it
+    finds the loop closed and is completed, so the slot is not lost."""
+    ctrl = FlowController(ONE_SLOT)
+    _blocked(ctrl)
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(ctrl.admit(FlowRequest(1)))
+    loop.run_until_complete(asyncio.sleep(0.01))
+    assert ctrl.is_queued(1)
+    loop.close()
+    ctrl.complete(100)
+    assert not ctrl.is_running(1)
+    assert ctrl.enqueue(FlowRequest(2)) is None
+    decision = ctrl.dispatch()
+    assert decision is not None and decision.id == 2
+    ctrl.complete(2)
+    del task  # its coroutine is closed: nothing is left to cancel
+    _left_nothing(ctrl)
+
+
+@pytest.mark.timeout(60)
+def test_admits_go_by_band_then_arrival() -> None:
+    """One slot, one tenant, 300 admits of random priorities queued behind it: each is
+    dispatched highest band first, in arrival order inside a band (a sort of the arrivals)."""
+    rng = random.Random(87)
+    ctrl = FlowController(
+        {
+            **ONE_SLOT,
+            "shedding": {"type": "none"},
+            "default_band": {"ttl_s": None},
+            "preemption": {"evict_queued": False},
+        }
+    )
+    _blocked(ctrl)
+    arrivals: list[tuple[int, int]] = []
+    served: list[tuple[int, int]] = []
+
+    async def one(request: FlowRequest) -> None:
+        decision = await ctrl.admit(request)
+        served.append((request.priority, request.id))
+        await asyncio.sleep(0)
+        ctrl.complete(decision.id, ticket=decision.ticket)
+
+    async def main() -> None:
+        tasks = []
+        for i in range(300):
+            request = FlowRequest(1000 + i, priority=rng.choice([-3, -1, 0, 2, 7]), tenant="solo")
+            arrivals.append((request.priority, request.id))
+            tasks.append(asyncio.create_task(one(request)))
+            await asyncio.sleep(0)  # each enqueues before the next is made
+        assert len(ctrl) == 300
+        ctrl.complete(100)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert served == sorted(arrivals, key=lambda a: (-a[0], a[1]))
+    _left_nothing(ctrl)
+
+
+CAPACITY = 3
+
+
+@pytest.mark.timeout(120)
+def test_a_thread_pool_and_an_event_loop_share_one_scheduler() -> None:
+    """Six threads run ``schedule_sync`` while the event loop runs ``schedule`` with random
+    cancellations, a TaskGroup aborted by one failing task (Python 3.11+) and
+    ``asyncio.wait_for`` / ``asyncio.timeout`` around whole requests: no more than the flow
+    controller's capacity is ever inside a placement, and once all ended nothing is queued,
+    running or in flight and the scheduler's counters agree with the flow controller's
+    outcomes and with what the callers saw."""
+    s = Scheduler(
+        ["a", "b"],
+        router="least-load",
+        flow={
+            "saturation": {"type": "concurrency", "max_requests": CAPACITY},
+            "default_band": {"ttl_s": 30, "max_requests": 200},
+            "shedding": {"type": "none"},
+        },
+    )
+    assert s.flow is not None
+    flow = s.flow
+    lock = threading.Lock()
+    inside = [0]
+    over: list[int] = []
+    seen: Counter[str] = Counter()
+
+    def enter() -> None:
+        with lock:
+            inside[0] += 1
+            if inside[0] > CAPACITY or flow.running_count() > CAPACITY:
+                over.append(inside[0])
+
+    def leave() -> None:
+        with lock:
+            inside[0] -= 1
+
+    def sync_worker(k: int) -> None:
+        rng = random.Random(k)
+        for _ in range(60):
+            request = ScheduleRequest(
+                tokens=[1, 2, 3], tenant=f"t{rng.randrange(3)}", priority=rng.choice([-1, 0, 5])
+            )
+            try:
+                with s.schedule_sync(request):
+                    enter()
+                    try:
+                        time.sleep(rng.random() * 0.001)
+                    finally:
+                        leave()
+            except FlowRejected:
+                with lock:
+                    seen["rejected"] += 1
+                continue
+            with lock:
+                seen["completed"] += 1
+
+    async def one(i: int, rng: random.Random) -> None:
+        request = ScheduleRequest(
+            tokens=[1, 2], tenant=f"t{i % 4}", priority=rng.choice([-1, 0, 5])
+        )
+        try:
+            async with s.schedule(request):
+                enter()
+                try:
+                    await asyncio.sleep(rng.random() * 0.002)
+                finally:
+                    leave()
+        except FlowRejected:
+            seen["rejected"] += 1
+            return
+        seen["completed"] += 1
+
+    async def boom() -> None:
+        await asyncio.sleep(0.005)
+        raise ValueError("one task of the group failed")
+
+    async def group(rng: random.Random) -> None:
+        if sys.version_info < (3, 11):  # no TaskGroup: gather cancels nothing on a failure
+            return
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                for i in range(50):
+                    tasks.create_task(one(10_000 + i, rng))
+                tasks.create_task(boom())
+        except Exception as failed:  # the group's ExceptionGroup of the one failure
+            assert [type(e) for e in getattr(failed, "exceptions", [])] == [ValueError]
+
+    async def timed(rng: random.Random) -> None:
+        for i in range(50):
+            limit = rng.random() * 0.003
+            try:
+                if i % 2 and sys.version_info >= (3, 11):
+                    async with asyncio.timeout(limit):
+                        await one(20_000 + i, rng)
+                else:
+                    await asyncio.wait_for(one(20_000 + i, rng), limit)
+            except asyncio.TimeoutError:  # the builtin one from 3.11 on
+                pass
+
+    async def loop_side() -> None:
+        rng = random.Random(99)
+        tasks = [asyncio.create_task(one(i, rng)) for i in range(600)]
+        await asyncio.sleep(0.01)
+        for task in rng.sample(tasks, 150):
+            await asyncio.sleep(rng.random() * 0.001)
+            task.cancel()
+        await asyncio.gather(*tasks, group(rng), timed(rng), return_exceptions=True)
+
+    with ThreadPoolExecutor(6) as pool:
+        workers = [pool.submit(sync_worker, k) for k in range(6)]
+        asyncio.run(loop_side())
+        for worker in workers:
+            worker.result()
+
+    assert not over, f"more than {CAPACITY} held a slot at once: {over[:5]}"
+    assert inside == [0]
+    stats = s.stats()
+    outcomes = flow.metrics()["outcomes"]
+    assert len(flow) == 0 and flow.running_count() == 0
+    assert stats["in_flight"] == 0 and stats["queued"] == 0
+    assert stats["completed"] == seen["completed"] >= 360  # every thread's request and more
+    assert stats["rejected"] == seen["rejected"] == outcomes["rejected_capacity"]
+    admitted = stats["completed"] + stats["cancelled"] + stats["failed"]
+    assert stats["admitted"] == admitted
+    # A dispatch beyond the admitted ones went to an admit cancelled in that instant and was
+    # released on its behalf.
+    assert outcomes["dispatched"] >= admitted
+    assert outcomes["evicted_ttl"] == outcomes["evicted_preempted"] == 0
