@@ -1,6 +1,6 @@
 """Flow control and the scheduler embedded in an asyncio gateway (probe 87): every way an
-admit's wait can end gives its request back, and a thread pool on the synchronous API beside
-the event loop keeps capacity and the counters right."""
+admit's wait can end gives its request back, a thread pool on the synchronous API beside the
+event loop keeps capacity and the counters right, and numpy integers are taken as ints."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from llmsched import Scheduler, ScheduleRequest
-from llmsched.errors import FlowRejected
+from llmsched.errors import FlowRejected, InvalidRequestError, InvalidTypeError
 from llmsched.flow import FlowController, FlowRequest
 
 ONE_SLOT = {"saturation": {"type": "concurrency", "max_requests": 1}}
@@ -301,3 +302,38 @@ def test_a_thread_pool_and_an_event_loop_share_one_scheduler() -> None:
     # released on its behalf.
     assert outcomes["dispatched"] >= admitted
     assert outcomes["evicted_ttl"] == outcomes["evicted_preempted"] == 0
+
+
+def test_numpy_integers_are_ints_in_flow_and_schedule_requests() -> None:
+    """``FlowRequest`` and ``ScheduleRequest`` refused numpy integers ("must be an int, got
+    int64") where ``complete`` and ``record_output`` took them; a count summed with numpy
+    (``prompt_tokens=arr.sum()``) is one. Bools stay refused."""
+    ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4}})
+    request = FlowRequest(
+        np.int64(1), priority=np.int32(3), prompt_tokens=np.int64(40), size_bytes=np.uint64(9)
+    )
+    assert ctrl.enqueue(request) is None
+    decision = ctrl.dispatch()
+    assert decision is not None and (decision.id, decision.priority) == (1, 3)
+    assert ctrl.metrics()["running_tokens"] == 40
+    ctrl.complete(np.int64(1))
+    for name, value in (("id", np.True_), ("priority", True), ("prompt_tokens", 4.0)):
+        bad = FlowRequest(2)
+        setattr(bad, name, value)
+        with pytest.raises(InvalidTypeError, match=f"FlowRequest.{name} must be an int"):
+            ctrl.enqueue(bad)
+    assert len(ctrl) == 0
+
+    s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 4}})
+    scheduled = ScheduleRequest(
+        tokens=[1, 2], priority=np.int64(-1), prompt_tokens=np.int32(7), size_bytes=np.uint8(3)
+    )
+    assert (scheduled.priority, scheduled.prompt_tokens, scheduled.size_bytes) == (-1, 7, 3)
+    assert type(scheduled.priority) is int and type(scheduled.prompt_tokens) is int
+    with s.schedule_sync(scheduled):
+        assert s.flow is not None and s.flow.metrics()["running_tokens"] == 7
+    for field, value in (("priority", np.True_), ("prompt_tokens", 7.0), ("size_bytes", -1)):
+        with pytest.raises(InvalidRequestError, match=field):
+            ScheduleRequest(tokens=[1], **{field: value})
+    with pytest.raises(InvalidRequestError, match="priority"):
+        ScheduleRequest(tokens=[1], priority=np.int64(2**31))

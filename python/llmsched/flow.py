@@ -100,6 +100,7 @@ class FlowRequest:
     ``size_bytes``: counts against byte limits.
     ``deadline``: absolute time on the controller's clock (``edf``). ``ttft_target``: seconds
     (``slo-deadline``). ``payload``: anything; handed back in the :class:`FlowDecision`.
+    The int fields take an int or a numpy integer (not a bool).
 
     >>> FlowRequest(7, priority=2, tenant="acme", prompt_tokens=512).priority
     2
@@ -272,12 +273,8 @@ class FlowController:
         if not isinstance(request, FlowRequest):
             raise InvalidTypeError(f"request must be a FlowRequest, got {type(request).__name__}")
         for name in ("id", "priority", "prompt_tokens", "size_bytes"):
-            value = getattr(request, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidTypeError(
-                    f"FlowRequest.{name} must be an int, got {type(value).__name__}"
-                )
-            _int64(f"FlowRequest.{name}", value)
+            # An int or a numpy integer, as everywhere else (not a bool, nor a float).
+            _int64(f"FlowRequest.{name}", getattr(request, name))
         if isinstance(request.tenant, str):  # a wrong type is named when the native side refuses
             check_utf8("FlowRequest.tenant", request.tenant)
         for name in ("deadline", "ttft_target"):  # the native side would read a bool as 0 or 1

@@ -100,6 +100,7 @@ from llmsched.validation import (
     check_optional_str,
     check_utf8,
     describe_int,
+    is_bool,
     is_finite_number,
 )
 
@@ -182,7 +183,7 @@ class ScheduleRequest:
     ``prompt_tokens`` is its size for flow control (default: the token count, or a quarter of
     the text's characters); ``size_bytes`` counts against byte limits; ``deadline``
     (absolute, on the flow controller's clock) and ``ttft_target_s`` feed the ``edf`` and
-    ``slo-deadline`` orderings.
+    ``slo-deadline`` orderings. The int fields take an int or a numpy integer (kept as an int).
 
     Every field is checked when the request is built: a bad one raises
     :class:`~llmsched.errors.InvalidRequestError` (or InvalidTokenError) naming it.
@@ -266,10 +267,14 @@ class ScheduleRequest:
         if not isinstance(self.tenant, str) or not self.tenant:
             raise InvalidRequestError(f"tenant must be a non-empty str, got {self.tenant!r}")
         check_utf8("tenant", self.tenant, error=InvalidRequestError)
-        _check_int("priority", self.priority, -_I32, _I32 - 1)
+        # Kept as ints (a numpy integer is taken, as flow control takes it).
+        object.__setattr__(self, "priority", _check_int("priority", self.priority, -_I32, _I32 - 1))
         if self.prompt_tokens is not None:
-            _check_int("prompt_tokens", self.prompt_tokens, 0, 2**63 - 1)
-        _check_int("size_bytes", self.size_bytes, 0, 2**63 - 1)
+            size = _check_int("prompt_tokens", self.prompt_tokens, 0, 2**63 - 1)
+            object.__setattr__(self, "prompt_tokens", size)
+        object.__setattr__(
+            self, "size_bytes", _check_int("size_bytes", self.size_bytes, 0, 2**63 - 1)
+        )
         for name in ("deadline", "ttft_target_s"):
             value = getattr(self, name)
             if value is not None and (not is_finite_number(value) or value < 0):
@@ -326,9 +331,15 @@ class ScheduleRequest:
         return index.hash_text(text, lora=self.lora, cache_salt=self.cache_salt)
 
 
-def _check_int(name: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    """``value`` as an ``int`` in ``low..high``: an int or a numpy integer (not a bool, nor a
+    numpy bool), else :class:`~llmsched.errors.InvalidRequestError`."""
+    if is_bool(value) or not isinstance(value, SupportsIndex):
         raise InvalidRequestError(f"{name} must be an int in {low}..{high}, got {value!r}")
+    number = operator.index(value)
+    if not low <= number <= high:
+        raise InvalidRequestError(f"{name} must be an int in {low}..{high}, got {value!r}")
+    return number
 
 
 _MAX_OUTPUT_TOKENS = 2**63 - 1
