@@ -1,10 +1,13 @@
 """Flow control and the scheduler embedded in an asyncio gateway (probe 87): every way an
 admit's wait can end gives its request back, a thread pool on the synchronous API beside the
-event loop keeps capacity and the counters right, and numpy integers are taken as ints."""
+event loop keeps capacity and the counters right, numpy integers are taken as ints, and the
+refusal a gateway answers with survives ``pickle`` and ``copy``."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import pickle
 import random
 import sys
 import threading
@@ -17,7 +20,7 @@ import pytest
 
 from llmsched import Scheduler, ScheduleRequest
 from llmsched.errors import FlowRejected, InvalidRequestError, InvalidTypeError
-from llmsched.flow import FlowController, FlowRequest
+from llmsched.flow import FlowController, FlowRequest, Outcome
 
 ONE_SLOT = {"saturation": {"type": "concurrency", "max_requests": 1}}
 
@@ -337,3 +340,25 @@ def test_numpy_integers_are_ints_in_flow_and_schedule_requests() -> None:
             ScheduleRequest(tokens=[1], **{field: value})
     with pytest.raises(InvalidRequestError, match="priority"):
         ScheduleRequest(tokens=[1], priority=np.int64(2**31))
+
+
+def test_a_refusal_and_its_outcome_survive_pickle_and_copy() -> None:
+    """``FlowRejected`` could not be pickled (its ``Outcome`` had no reduction) nor copied
+    (rebuilt from its message alone): a gateway handing it across processes (a process pool,
+    a queue) got a TypeError in its place."""
+    for outcome in (Outcome.DISPATCHED, Outcome.REJECTED_SHED, Outcome.EVICTED_CANCELLED):
+        for again in (pickle.loads(pickle.dumps(outcome)), copy.copy(outcome)):
+            assert again == outcome and again.key == outcome.key
+    rejected = FlowRejected(7, Outcome.EVICTED_TTL, retry_after_s=2.5)
+    for again in (
+        pickle.loads(pickle.dumps(rejected)),
+        copy.copy(rejected),
+        copy.deepcopy(rejected),
+    ):
+        assert type(again) is FlowRejected and str(again) == str(rejected)
+        assert (again.request_id, again.outcome, again.retry_after_s) == (
+            7,
+            Outcome.EVICTED_TTL,
+            2.5,
+        )
+        assert (again.http_status, again.reason) == (rejected.http_status, rejected.reason)

@@ -14,7 +14,7 @@ True
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from llmsched._llmsched import Outcome
@@ -168,6 +168,17 @@ class FlowRejected(LlmschedError):
             f"request {request_id} not dispatched: {outcome.key} "
             f"(HTTP {outcome.http_status}, {outcome.reason})"
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Rebuilt from its fields, as ``pickle`` and ``copy`` do (its ``args`` hold the
+        message only), with any attribute set since.
+
+        >>> import pickle
+        >>> from llmsched.flow import Outcome
+        >>> pickle.loads(pickle.dumps(FlowRejected(7, Outcome.REJECTED_SHED))).reason
+        'load-shed'
+        """
+        return (type(self), (self.request_id, self.outcome), self.__dict__)
 
 
 def one_line(exc: BaseException) -> str:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import copyreg
 import itertools
 import math
 import operator
@@ -166,6 +167,19 @@ def default_config() -> FlowConfig:
     """
     return resolve_config(None)
 
+
+def _reduce_outcome(outcome: Outcome) -> tuple[Callable[[object, str], Outcome], tuple[Any, str]]:
+    """An :class:`Outcome` as ``pickle`` and ``copy`` take it: the member of that name (the
+    native enum has no reduction of its own).
+
+    >>> import pickle
+    >>> pickle.loads(pickle.dumps(Outcome.EVICTED_TTL)) == Outcome.EVICTED_TTL
+    True
+    """
+    return getattr, (Outcome, outcome.key.upper())
+
+
+copyreg.pickle(Outcome, _reduce_outcome)
 
 _Waiter = tuple["asyncio.AbstractEventLoop", "asyncio.Future[FlowDecision]"]
 
