@@ -310,7 +310,9 @@ def test_a_thread_pool_and_an_event_loop_share_one_scheduler() -> None:
 def test_numpy_integers_are_ints_in_flow_and_schedule_requests() -> None:
     """``FlowRequest`` and ``ScheduleRequest`` refused numpy integers ("must be an int, got
     int64") where ``complete`` and ``record_output`` took them; a count summed with numpy
-    (``prompt_tokens=arr.sum()``) is one. Bools stay refused."""
+    (``prompt_tokens=arr.sum()``) is one. So did ``update_endpoint``'s counts (which
+    ``EndpointPool.update`` takes), ``charge_remote``'s priority and a ``ticket``. Bools stay
+    refused."""
     ctrl = FlowController({"saturation": {"type": "concurrency", "max_requests": 4}})
     request = FlowRequest(
         np.int64(1), priority=np.int32(3), prompt_tokens=np.int64(40), size_bytes=np.uint64(9)
@@ -320,6 +322,18 @@ def test_numpy_integers_are_ints_in_flow_and_schedule_requests() -> None:
     assert decision is not None and (decision.id, decision.priority) == (1, 3)
     assert ctrl.metrics()["running_tokens"] == 40
     ctrl.complete(np.int64(1))
+    # The controller's other int arguments, as EndpointPool.update takes its counts.
+    ctrl.update_endpoint("pod-a", waiting=np.int64(2), running=np.uint32(1), kv_cache_usage=0.5)
+    assert ctrl.charge_remote("t", np.int16(0), prompt_tokens=np.int64(3)) is False
+    assert ctrl.enqueue(FlowRequest(3)) is None
+    decision = ctrl.dispatch()
+    assert decision is not None
+    ctrl.record_output(3, np.int64(5), ticket=np.uint64(2**64 - 1))  # another's: stale
+    ctrl.complete(3, ticket=np.uint64(2**64 - 1))
+    assert ctrl.is_running(3)
+    ctrl.complete(3)
+    with pytest.raises(InvalidTypeError, match="waiting must be an int, got bool"):
+        ctrl.update_endpoint("pod-a", waiting=np.True_)
     for name, value in (("id", np.True_), ("priority", True), ("prompt_tokens", 4.0)):
         bad = FlowRequest(2)
         setattr(bad, name, value)

@@ -60,7 +60,7 @@ from llmsched.types import BandConfig, FlowConfig, FlowMetrics
 from llmsched.validation import (
     check_callable,
     check_config_data,
-    check_int,
+    check_index,
     check_int_like,
     check_now,
     check_number_like,
@@ -371,7 +371,7 @@ class FlowController:
         _int64("request_id", request_id)
         _int64("output_tokens", output_tokens)
         if ticket is not None:
-            ticket = check_int("ticket", ticket, minimum=0, maximum=2**64 - 1)
+            ticket = check_index("ticket", ticket, minimum=0, maximum=2**64 - 1)
         if not self._core.complete(request_id, output_tokens, self._now(now), ticket):
             import logging  # only on this rare path: `import llmsched` stays light
 
@@ -404,7 +404,7 @@ class FlowController:
         _int64("request_id", request_id)
         _int64("output_tokens", output_tokens)
         if ticket is not None:
-            ticket = check_int("ticket", ticket, minimum=0, maximum=2**64 - 1)
+            ticket = check_index("ticket", ticket, minimum=0, maximum=2**64 - 1)
         if not self._core.record_output(request_id, output_tokens, self._now(now), ticket):
             import logging  # only on this rare path: `import llmsched` stays light
 
@@ -431,7 +431,7 @@ class FlowController:
         False
         """
         check_str("tenant", tenant)
-        priority = check_int("priority", priority, minimum=-(2**31), maximum=2**31 - 1)
+        priority = check_index("priority", priority, minimum=-(2**31), maximum=2**31 - 1)
         _int64("prompt_tokens", prompt_tokens)
         _int64("output_tokens", output_tokens)
         return self._core.charge_remote(
@@ -529,8 +529,8 @@ class FlowController:
         1.0
         """
         # The same rules as EndpointPool.update (llmsched.validation), checked before the core.
-        waiting = check_int("waiting", waiting)
-        running = check_int("running", running)
+        waiting = check_index("waiting", waiting)
+        running = check_index("running", running)
         kv_cache_usage = check_probability("kv_cache_usage", kv_cache_usage)
         now = check_now(timestamp, self._clock, name="timestamp")
         self._core.update_endpoint(
