@@ -376,3 +376,30 @@ def test_a_refusal_and_its_outcome_survive_pickle_and_copy() -> None:
             2.5,
         )
         assert (again.http_status, again.reason) == (rejected.http_status, rejected.reason)
+
+
+@pytest.mark.parametrize("ends", ["complete", "cancel", "context"])
+def test_output_streamed_through_a_placements_admission_is_charged_once(ends: str) -> None:
+    """A ``schedule()`` placement owns its admission: output charged while it streams
+    (``placement.admission.record_output``, VTC's per-token rule) was charged again when the
+    placement ended with its count (``add_output_tokens``), doubling the tenant's service."""
+    s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 2}})
+    assert s.flow is not None
+
+    def service() -> int:
+        assert s.flow is not None
+        return sum(f["service_tokens"] for f in s.flow.metrics()["flows"] if f["tenant"] == "t")
+
+    with s.schedule_sync(ScheduleRequest(tokens=[1, 2, 3], tenant="t")) as placement:
+        admission = placement.admission
+        assert admission is not None
+        for chunk in (4, 3, 5):
+            placement.add_output_tokens(chunk)
+            admission.record_output(chunk)
+        assert service() == 3 + 12
+        if ends == "complete":
+            placement.complete(20)  # the whole answer: 8 more than streamed
+        elif ends == "cancel":
+            placement.cancel()
+    assert service() == 3 + (20 if ends == "complete" else 12)
+    assert s.flow.running_count() == 0 and not admission.holds_slot

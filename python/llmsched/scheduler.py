@@ -375,7 +375,7 @@ class Admission:
     False
     """
 
-    __slots__ = ("_flow", "_lock", "_open", "_ticket", "id", "queued_s")
+    __slots__ = ("_flow", "_lock", "_open", "_recorded", "_ticket", "id", "queued_s")
 
     def __init__(
         self,
@@ -389,6 +389,9 @@ class Admission:
         self._lock = threading.Lock()
         self._open = flow is not None
         self._ticket = ticket
+        # Output tokens record_output charged (a placement that owns this admission charges
+        # only the rest of its count when it ends).
+        self._recorded = 0
         self.id = request_id
         """The request id (unique within its scheduler)."""
         self.queued_s = queued_s
@@ -409,6 +412,8 @@ class Admission:
         if self._flow is not None and self._open:
             with contextlib.suppress(UnknownRequestError):  # revoked meanwhile
                 self._flow.record_output(self.id, tokens, ticket=self._ticket)
+                with self._lock:
+                    self._recorded += tokens
 
     def release(self, output_tokens: int = 0) -> bool:
         """Gives the flow-control slot back, charging ``output_tokens``; False when nothing
@@ -485,7 +490,8 @@ class Placement:
         self._lock = threading.Lock()
         self._outcome: PlacementOutcome | None = None
         self.output_tokens = 0
-        """Output tokens counted so far (charged to the tenant at the end)."""
+        """Output tokens counted so far (charged to the tenant at the end, less those its
+        admission's :meth:`~Admission.record_output` charged meanwhile)."""
 
     # -- where ---------------------------------------------------------------------------
 
@@ -674,7 +680,10 @@ class Placement:
         finally:
             try:
                 if self._owns and self._admission is not None:
-                    self._admission.release(self.output_tokens)
+                    # What its admission's record_output charged while it streamed is not
+                    # charged again.
+                    charged = self._admission._recorded
+                    self._admission.release(max(self.output_tokens - charged, 0))
             finally:
                 self._scheduler._placement_ended(outcome)
         return True
