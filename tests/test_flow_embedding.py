@@ -294,8 +294,13 @@ def test_a_thread_pool_and_an_event_loop_share_one_scheduler() -> None:
     assert not over, f"more than {CAPACITY} held a slot at once: {over[:5]}"
     assert inside == [0]
     stats = s.stats()
-    outcomes = flow.metrics()["outcomes"]
+    metrics = flow.metrics()
+    outcomes = metrics["outcomes"]
     assert len(flow) == 0 and flow.running_count() == 0
+    assert metrics["running"] == metrics["running_tokens"] == metrics["queued_bytes"] == 0
+    assert all(band["queued"] == 0 for band in metrics["bands"])
+    assert all(entry["queued"] == 0 for entry in metrics["flows"])
+    assert sum(band["dispatched"] for band in metrics["bands"]) == outcomes["dispatched"]
     assert stats["in_flight"] == 0 and stats["queued"] == 0
     assert stats["completed"] == seen["completed"] >= 360  # every thread's request and more
     assert stats["rejected"] == seen["rejected"] == outcomes["rejected_capacity"]
