@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from llmsched import Scheduler, ScheduleRequest
-from llmsched.errors import FlowRejected, InvalidRequestError, InvalidTypeError
+from llmsched.errors import FlowRejected, InvalidRequestError, InvalidTypeError, InvalidValueError
 from llmsched.flow import FlowController, FlowRequest, Outcome
 
 ONE_SLOT = {"saturation": {"type": "concurrency", "max_requests": 1}}
@@ -408,3 +408,65 @@ def test_output_streamed_through_a_placements_admission_is_charged_once(ends: st
             placement.cancel()
     assert service() == 3 + (20 if ends == "complete" else 12)
     assert s.flow.running_count() == 0 and not admission.holds_slot
+
+
+ONE_SLOT_SCHEDULER = {"saturation": {"type": "concurrency", "max_requests": 1}}
+
+
+def _scheduler_at_rest(s: Scheduler) -> None:
+    assert s.flow is not None and s.flow.running_count() == 0
+    assert s.stats()["in_flight"] == 0
+    with s.schedule_sync(ScheduleRequest(tokens=[9])):  # the one slot is free again
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_a_client_leaving_with_a_count_that_cannot_be_charged_still_frees_the_slot(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``output_tokens`` set to an estimate (a float) in a ``schedule()`` block: when the
+    client left, the exit refused the count and kept the placement open, so the slot and the
+    in-flight count were held for good (a one-slot scheduler stalled), and the task ended
+    with InvalidTypeError instead of its cancellation (a TaskGroup or timeout saw a failure).
+    The exit now always ends it, charging no output; the count's error is logged."""
+    s = Scheduler(["a"], flow=ONE_SLOT_SCHEDULER)
+
+    async def handler() -> None:
+        async with s.schedule(ScheduleRequest(tokens=[1, 2, 3], tenant="t")) as placement:
+            placement.output_tokens = 10 / 4  # type: ignore[assignment]
+            await asyncio.sleep(3600)
+
+    async def main() -> None:
+        task = asyncio.create_task(handler())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.wait((task,))
+        assert task.cancelled(), "the cancellation became another exception"
+
+    with caplog.at_level("WARNING", logger="llmsched"):
+        asyncio.run(main())
+    assert "output count was not charged: output_tokens must be an int, got float" in caplog.text
+    assert s.stats()["cancelled"] == 1
+    _scheduler_at_rest(s)
+
+
+@pytest.mark.parametrize("body", ["returns", "raises"])
+def test_a_block_ending_with_a_count_that_cannot_be_charged_ends_its_placement(
+    body: str,
+) -> None:
+    """Leaving the block normally raises the count's error once the placement has ended
+    (completed, no output charged); leaving it with an exception lets that exception through
+    (the count's error is logged). Either way nothing stays held. ``complete()`` called
+    directly still refuses the count and leaves the placement open (probe 49 F14)."""
+    s = Scheduler(["a"], flow=ONE_SLOT_SCHEDULER)
+    raised: type[BaseException] = InvalidValueError if body == "returns" else OSError
+    request = ScheduleRequest(tokens=[1, 2], tenant="t")
+    with pytest.raises(raised), s.schedule_sync(request) as placement:
+        placement.output_tokens = -1
+        with pytest.raises(InvalidValueError):
+            placement.complete()
+        assert placement.outcome is None
+        if body == "raises":
+            raise OSError("the engine went away")
+    assert placement.outcome == ("completed" if body == "returns" else "failed")
+    _scheduler_at_rest(s)

@@ -664,11 +664,14 @@ class Placement:
         record stays (the engine may have run the prefill). False if it had already ended."""
         return self._end("cancelled")
 
-    def _end(self, outcome: PlacementOutcome) -> bool:
-        if self._owns and self._admission is not None:
-            # ``output_tokens`` is a public attribute: refused here, before the placement
-            # counts as ended, rather than by the release below once nothing can end it.
-            _check_output_tokens("output_tokens", self.output_tokens)
+    def _end(self, outcome: PlacementOutcome, output_tokens: int | None = None) -> bool:
+        """Ends it as ``outcome``, charging ``output_tokens`` (default: its count, checked
+        first: ``output_tokens`` is a public attribute, and a count its admission cannot be
+        charged is refused before anything ends, so the caller can end it again)."""
+        if output_tokens is None:
+            output_tokens = self.output_tokens
+            if self._owns and self._admission is not None:
+                output_tokens = _check_output_tokens("output_tokens", output_tokens)
         with self._lock:
             if self._outcome is not None:
                 return False
@@ -683,7 +686,7 @@ class Placement:
                     # What its admission's record_output charged while it streamed is not
                     # charged again.
                     charged = self._admission._recorded
-                    self._admission.release(max(self.output_tokens - charged, 0))
+                    self._admission.release(max(output_tokens - charged, 0))
             finally:
                 self._scheduler._placement_ended(outcome)
         return True
@@ -697,12 +700,30 @@ class Placement:
     def end_for(self, exc_type: type[BaseException] | None) -> bool:
         """Ends the placement as a context manager's exit does: no exception completes it, a
         cancellation (:class:`asyncio.CancelledError`, KeyboardInterrupt) cancels it, any
-        other exception fails it."""
+        other exception fails it. It always ends: an ``output_tokens`` its admission cannot
+        be charged is charged as none, and its error raised once the placement has ended,
+        unless ``exc_type`` is on its way out (a cancellation stays one): then it is logged.
+        """
         if exc_type is None:
-            return self.complete()
-        if issubclass(exc_type, (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit)):
-            return self.cancel()
-        return self.fail()
+            outcome: PlacementOutcome = "completed"
+        elif issubclass(exc_type, (asyncio.CancelledError, KeyboardInterrupt, GeneratorExit)):
+            outcome = "cancelled"
+        else:
+            outcome = "failed"
+        if not (self._owns and self._admission is not None):  # it charges nothing
+            return self._end(outcome)
+        # The exit is the last chance to end it: a count that cannot be charged is not
+        # allowed to keep the slot and the in-flight counts for good.
+        try:
+            output_tokens = _check_output_tokens("output_tokens", self.output_tokens)
+        except LlmschedError as bad:
+            ended = self._end(outcome, 0)
+            if ended and exc_type is None:
+                raise
+            if ended:
+                log.warning("a %s placement's output count was not charged: %s", outcome, bad)
+            return ended
+        return self._end(outcome, output_tokens)
 
     def __repr__(self) -> str:
         where = "none" if self._attempt is None else repr(self._attempt.endpoint)
