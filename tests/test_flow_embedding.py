@@ -13,14 +13,16 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
 
 from llmsched import Scheduler, ScheduleRequest
 from llmsched.errors import FlowRejected, InvalidRequestError, InvalidTypeError, InvalidValueError
-from llmsched.flow import FlowController, FlowRequest, Outcome
+from llmsched.flow import FlowController, FlowDecision, FlowRequest, Outcome
 
 ONE_SLOT = {"saturation": {"type": "concurrency", "max_requests": 1}}
 
@@ -73,11 +75,32 @@ def test_an_admit_closed_once_dispatched_releases_its_request() -> None:
         ctrl.complete(100)  # dispatches request 1 to the waiting admit
         assert ctrl.is_running(1)
         coro.close()
+        await asyncio.sleep(0)  # the release runs on the loop, as for a cancelled task
         assert not ctrl.is_running(1)
 
     asyncio.run(main())
     _left_nothing(ctrl)
     assert ctrl.metrics()["outcomes"]["dispatched"] == 2
+
+
+@pytest.mark.timeout(30)
+def test_an_admit_dispatched_then_closed_after_its_loop_closed_releases_its_request() -> None:
+    """The decision reached the admit, then its loop closed before the task ran on (a task
+    collected unfinished): closing the coroutine then releases the request at once, since no
+    callback can run on a closed loop."""
+    ctrl = FlowController(ONE_SLOT)
+    _blocked(ctrl)
+
+    async def main() -> Coroutine[Any, Any, FlowDecision]:
+        coro = ctrl.admit(FlowRequest(1))
+        coro.send(None)
+        ctrl.complete(100)  # request 1's decision is set on the admit's future
+        return coro
+
+    coro = asyncio.run(main())  # the loop is closed on return
+    assert ctrl.is_running(1)
+    coro.close()
+    _left_nothing(ctrl)
 
 
 class _FlakyClock:

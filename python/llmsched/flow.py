@@ -717,8 +717,13 @@ class FlowController:
         if cancelled is not None:
             self._waiters.pop(ticket, None)
             return
-        if future.done():  # released now: its loop may be closing, or closed
-            self._release(request_id, ticket, future)
+        if future.done() and future.get_loop().is_closed():
+            # A task collected unfinished once its loop closed: no callback runs there now.
+            # The core's complete, not complete() (which pumps): a collection may run inside
+            # a pump, under its lock.
+            if not future.cancelled() and future.result().outcome == Outcome.DISPATCHED:
+                with contextlib.suppress(UnknownRequestError):
+                    self._core.complete(request_id, 0, self._clock(), ticket)
             return
         future.add_done_callback(lambda f: self._release(request_id, ticket, f))
 
