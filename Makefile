@@ -9,7 +9,7 @@ BIN := $(abspath $(VENV))/bin
 export PATH := $(BIN):$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: help venv build build-dev pgo-profile build-freethreaded test-freethreaded wheel test-wheel test test-rust test-python test-engines bench-engines vllm-env lint docs fmt servers \
+.PHONY: help venv build build-dev pgo-profile build-freethreaded test-freethreaded wheel test-wheel test test-rust test-python harness FORCE test-engines bench-engines vllm-env lint docs fmt servers \
 	bench bench-peers bench-index-peers bench-threads bench-gateway-peers bench-gateway-ladder bench-rust demo fuzz clean
 
 help: ## List the targets
@@ -33,14 +33,35 @@ venv: $(VENV)/.deps ## Create the virtual environment with every Python dependen
 PGO_RUSTFLAGS = $(shell python3 tools/pgo_profile.py rustflags)
 RELEASE_ENV = RUSTFLAGS="$(strip $(RUSTFLAGS) $(PGO_RUSTFLAGS))"
 
-build: $(VENV)/.deps ## Build the Rust extension (release) into the virtual environment
+# `make build` runs maturin only when the extension is missing, or older than a file it is made
+# of (the crates, the manifests, the kept profile, this Makefile), or was built by another rustc
+# or with other flags (.venv/.build-flags): a `maturin develop` with nothing to compile still takes
+# about five seconds (cargo's checks, the wheel, the install), and lint, docs, the tests and the
+# benchmarks each start with `build`. `rm .venv/.build` makes the next one run it regardless.
+EXTENSION := python/llmsched/_llmsched.abi3.so
+EXTENSION_SOURCES := Makefile Cargo.toml Cargo.lock pyproject.toml \
+	$(shell find crates pgo -type f 2>/dev/null)
+BUILD_STAMP := $(VENV)/.build
+
+build: $(BUILD_STAMP) ## Build the Rust extension (release) into the virtual environment
+
+$(BUILD_STAMP): $(VENV)/.build-flags $(EXTENSION_SOURCES) $(VENV)/.deps \
+		$(if $(wildcard $(EXTENSION)),,FORCE)
 	rm -f python/llmsched/_llmsched*.so
 	$(RELEASE_ENV) $(BIN)/maturin develop --release --uv -q
+	touch $@
+
+# Rewritten (so newer than the stamp) only when the rustc or the flags differ from the last build's.
+$(VENV)/.build-flags: FORCE | $(VENV)/.deps
+	@flags='$(strip $(shell rustc -V) $(RUSTFLAGS) $(PGO_RUSTFLAGS))'; \
+		[ "$$(cat $@ 2>/dev/null)" = "$$flags" ] || echo "$$flags" > $@
+
+FORCE:
 
 # Unoptimised: compiles several times faster, runs the Rust code 10-50x slower. For editing and
 # type-checking; take figures (bench, demo, sim) and run the simulator tests on `make build`.
 build-dev: $(VENV)/.deps ## Build the Rust extension (debug, quick to compile) into the virtual environment
-	rm -f python/llmsched/_llmsched*.so
+	rm -f python/llmsched/_llmsched*.so $(BUILD_STAMP)
 	$(BIN)/maturin develop --profile dev --uv -q
 
 # The distributable wheel: one abi3 wheel for CPython 3.10 and later, linked by zig against glibc
@@ -71,7 +92,10 @@ test-wheel: $(DIST)/.stamp ## Install the built wheel alone on the oldest and ne
 	$(PY) tools/wheel_check.py smoke $(DIST)/llmsched-*.whl $(addprefix --python ,$(PYTHONS))
 
 TEST_RUST_PREFIX ?=
-test-rust: ## Run the Rust tests of every crate, doc-tests included (no Python needed)
+# What test-rust builds first: `make test` names the harness here, so that its Rust half builds it
+# (niced, beside pytest) before tests/test_gateway_stall.py needs the fake engines.
+TEST_RUST_AFTER ?=
+test-rust: $(TEST_RUST_AFTER) ## Run the Rust tests of every crate, doc-tests included (no Python needed)
 	$(TEST_RUST_PREFIX) cargo test --workspace
 	RUSTDOCFLAGS="-D warnings" $(TEST_RUST_PREFIX) cargo doc --workspace --no-deps -q
 
@@ -129,13 +153,22 @@ test-freethreaded: build-freethreaded ## Run the index, router and thread tests 
 
 # The two halves side by side: cargo test builds into target/debug (the test profile) while pytest,
 # single-threaded, runs on the release extension, so neither waits on the other's build lock.
-# `--output-sync` keeps each half's output together.
+# `--output-sync` keeps each half's output together. The Rust half starts with the benchmark
+# harness (target/release): tests/test_gateway_stall.py runs its fake engines, and finding them
+# missing it built them itself, holding up pytest for the release build of their dependency tree
+# (the harness's build is the same command as `make bench`'s, which then has nothing to do). Were
+# the harness not finished when those tests come, their cargo would wait for it and find it built.
 test: ## Install everything, then run cargo test and pytest (side by side)
 # The Rust half is niced: pytest's servers and timeouts get the cores first.
 # MAKEFLAGS is cleared for cargo: it would look for make's job server, which a recipe line that
 # is not a sub-make does not get, and it uses every core itself.
 	$(MAKE) --no-print-directory -j2 --output-sync=target TEST_RUST_PREFIX="env -u MAKEFLAGS -u MFLAGS nice -n 10" \
-		test-rust test-python
+		TEST_RUST_AFTER=harness test-rust test-python
+
+# The native benchmark harness: fake engines, load generator, bare proxy (release, without the
+# extension's profile: they are not what is measured).
+harness: ## Build the native benchmark harness (crates/llmsched-bench, release)
+	$(TEST_RUST_PREFIX) cargo build --release -p llmsched-bench
 
 # The real-engine tests run vLLM's CPU build from its own environment (about 6 GB; torch pinned by
 # tests/engines/vllm-overrides.txt; the engine recipe is in tests/engines/vllm_engine.py).

@@ -1,0 +1,102 @@
+"""The Makefile's build steps that `.ci/run` leans on, run in a copy of it with stand-ins for
+maturin, cargo and the venv's Python that only log their calls: `make build` calls maturin only
+when something the extension is made of changed, and `make test` builds the benchmark harness
+in its Rust half before `cargo test`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("make") is None or shutil.which("rustc") is None,
+    reason="needs GNU make and rustc",
+)
+
+_LOGGER = """#!/bin/sh
+echo "$(basename "$0") $*" >> "{log}"
+{extra}
+"""
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A copy of the Makefile and what its parse reads, a venv of logging stand-ins."""
+    for name in ("Makefile", "tools/pgo_profile.py", "pgo/profile.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, tmp_path / name)
+    for name in ("Cargo.toml", "Cargo.lock", "pyproject.toml", "crates/c/src/lib.rs"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    (tmp_path / "python" / "llmsched").mkdir(parents=True)
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    log = tmp_path / "calls.log"
+    stand_ins = {
+        "maturin": "touch python/llmsched/_llmsched.abi3.so",
+        "cargo": "",
+        "python": "",
+    }
+    for name, extra in stand_ins.items():
+        (bin_dir / name).write_text(_LOGGER.format(log=log, extra=extra))
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "venv" / ".deps").touch()  # newer than pyproject.toml: no venv made
+    return tmp_path
+
+
+def _make(tree: Path, *args: str, **env: str) -> list[str]:
+    """Runs make in ``tree``; the stand-ins' calls logged so far."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "MFLAGS"))}
+    environ.pop("RUSTFLAGS", None)
+    # No real server is installed or looked for (`servers` installs nats-server when missing).
+    command = ["make", "--no-print-directory", "VENV=venv", "NATS_SERVER=/bin/true", *args]
+    done = subprocess.run(
+        command,
+        cwd=tree,
+        env={**environ, "LLMSCHED_PGO": "0", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = tree / "calls.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def _builds(calls: list[str]) -> int:
+    return sum(call.startswith("maturin develop --release") for call in calls)
+
+
+def test_build_runs_maturin_only_when_something_changed(tree: Path) -> None:
+    assert _builds(_make(tree, "build")) == 1
+    assert _builds(_make(tree, "build")) == 1  # nothing changed: no maturin
+    assert _builds(_make(tree, "build", RUSTFLAGS="-Ctarget-cpu=native")) == 2  # other flags
+    assert _builds(_make(tree, "build")) == 3  # and back
+    assert _builds(_make(tree, "build")) == 3
+    (tree / "python" / "llmsched" / "_llmsched.abi3.so").unlink()
+    assert _builds(_make(tree, "build")) == 4  # the extension gone
+    stamp, source = tree / "venv" / ".build", tree / "crates" / "c" / "src" / "lib.rs"
+    built = stamp.stat().st_mtime - 10
+    os.utime(stamp, (built, built))
+    os.utime(source, (built + 5, built + 5))  # edited since the last build
+    assert _builds(_make(tree, "build")) == 5  # a source newer than the build
+    assert _builds(_make(tree, "build")) == 5
+    _make(tree, "build-dev")  # the debug extension replaces the release one
+    assert _builds(_make(tree, "build")) == 6
+
+
+def test_make_test_builds_the_harness_before_cargo_test(tree: Path) -> None:
+    calls = _make(tree, "test")
+    cargo = [call for call in calls if call.startswith("cargo ")]
+    assert cargo[:2] == ["cargo build --release -p llmsched-bench", "cargo test --workspace"], calls
+    assert any(call.startswith("python -m pytest") for call in calls), calls
+    # `make test-rust` alone does not build it.
+    (tree / "calls.log").unlink()
+    alone = [call for call in _make(tree, "test-rust") if call.startswith("cargo ")]
+    assert alone[0] == "cargo test --workspace", alone
