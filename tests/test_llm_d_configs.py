@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import msgpack
 import pytest
 import yaml
 
-from llmsched import EndpointPool, PrefixIndex, Router
+from llmsched import Endpoint, EndpointPool, PrefixIndex, Router
 from llmsched.errors import ConfigError
 from llmsched.hashing import block_hashes
 from llmsched.routing import config_info
@@ -30,6 +31,9 @@ LOADING = [
     "llmd-precise-data-layer.yaml",
     "llmd-pd-disagg.yaml",
     "llmd-precise-token-producer.yaml",
+    "llmd-default-parser.yaml",
+    "llmd-sim-epp.yaml",
+    "llmd-utilization-detector.yaml",
 ]
 
 
@@ -727,3 +731,193 @@ def test_llm_ds_active_request_and_no_hit_lru_parameters_load() -> None:
     bad = _config([{"type": "active-request-scorer", "parameters": {"maxBusyScore": 2}}])
     with pytest.raises(ConfigError, match="maxBusyScore"):
         Router(_pool(1), config=bad)
+
+
+def test_current_api_version_loads_and_an_unknown_one_is_refused(tmp_path: Path) -> None:
+    """llm-d reads `llm-d.ai/v1alpha1` and the Extension's deprecated
+    `inference.networking.x-k8s.io/v1alpha1`; its loader refuses any other apiVersion, and so
+    does llmsched, naming the file and the key. The sample's decode filter and prefix scorer
+    (weight 2) decide as in llm-d: the prefill endpoint holding the whole prompt is filtered
+    out, and the decode endpoint holding half of it beats the one holding none."""
+    pool = EndpointPool(
+        [Endpoint("p", role="prefill"), Endpoint("d1", role="decode"), Endpoint("d2")],
+        stale_policy="ignore",
+    )
+    router = Router(pool, config=CORPUS / "llmd-sim-epp.yaml")
+    tokens = list(range(128))
+    hashes = router.index.hash_tokens(tokens)
+    router.index.store("p", hashes)
+    router.index.store("d1", hashes[: len(hashes) // 2])
+    decision = router.pick(tokens=tokens, now=0.0)
+    assert decision.endpoint == "d1" and "p" not in [decision.endpoint, *decision.fallbacks]
+    for field, value, expected in [
+        ("apiVersion", "example.com/v9", "must be llm-d.ai/v1alpha1 or inference.networking"),
+        ("kind", "EndpointPickerConfg", 'got "EndpointPickerConfg"'),
+    ]:
+        cfg = corpus("llmd-sim-epp.yaml")
+        cfg[field] = value
+        path = tmp_path / "epp.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        with pytest.raises(ConfigError) as info:
+            Router(pool, config=path)
+        assert str(info.value).startswith(f"router config {str(path)!r}: {field}: ")
+        assert expected in str(info.value)
+
+
+def test_a_configmap_is_refused_naming_the_key_that_holds_the_config(tmp_path: Path) -> None:
+    """llm-d's charts render the config into a ConfigMap the endpoint picker mounts as a file;
+    given the ConfigMap itself, the error says which `data` key holds the config."""
+    text = (CORPUS / "llmd-sim-epp.yaml").read_text()
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "epp-config"},
+        "data": {"epp-config.yaml": text},
+    }
+    path = tmp_path / "configmap.yaml"
+    path.write_text(yaml.safe_dump(configmap))
+    with pytest.raises(ConfigError, match=r'kind: is ConfigMap.*data\."epp-config\.yaml"'):
+        config_info(path)
+    assert config_info(yaml.safe_load(configmap["data"]["epp-config.yaml"]))["notes"] == []
+
+
+def test_errors_about_a_router_file_name_it(tmp_path: Path) -> None:
+    """The native parser names the key; a Router, config_info and the gateway name the file."""
+    from llmsched.gateway.config import load_config
+
+    path = tmp_path / "dp.yaml"
+    path.write_text(yaml.safe_dump({"plugins": [{"type": "data-parallel-profile-handler"}]}))
+    for call in (lambda: Router(_pool(2), config=path), lambda: config_info(str(path))):
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert str(info.value).startswith(f"router config {str(path)!r}: plugins[0].type: ")
+    engines = [{"host": "127.0.0.1", "port": 8001}]
+    with pytest.raises(ConfigError, match=r"router: router config '.*dp\.yaml': plugins\[0\]"):
+        load_config({"engines": engines, "models": ["tiny"], "router": str(path)})
+    with pytest.raises(ConfigError) as info:  # a mapping names no file
+        config_info({"plugins": [{"type": "data-parallel-profile-handler"}]})
+    assert str(info.value).startswith("plugins[0].type: ")
+
+
+def test_llm_ds_default_config_with_its_parser_loads() -> None:
+    """llm-d's current default config names its OpenAI parser (`parser`, `openai-parser`) and
+    the `enableLegacyMetrics` gate: both are noted without effect. Its four scorers weigh 1
+    each: queue min-max (e0 1, e1 0, e2 0.5) plus 1 - KV use (0.1, 1.0, 0.8), no prefix and the
+    same LoRA score everywhere, so e2 (1.3) beats e0 (1.1) and e1 (1.0)."""
+    info = config_info(CORPUS / "llmd-default-parser.yaml")
+    assert [n["key"] for n in info["notes"]] == ["featureGates[0]", "parser"]
+    pool = _pool(3)
+    for name, waiting, kv in [("e0", 1, 0.9), ("e1", 3, 0.0), ("e2", 2, 0.2)]:
+        pool.update(name, waiting=waiting, kv_cache_usage=kv, now=0.0)
+    router = Router(pool, config=CORPUS / "llmd-default-parser.yaml")
+    assert router.pick(tokens=list(range(64)), now=0.0).endpoint == "e2"
+    cfg = corpus("llmd-default-parser.yaml")
+    del cfg["parser"]  # llm-d's default parser is the same plugin
+    assert [n["key"] for n in config_info(cfg)["notes"]] == ["featureGates[0]", "plugins[4].type"]
+    refused = [
+        ({"pluginRef": "queue-scorer"}, None, "parser.pluginRef", "not an openai-parser"),
+        ({"pluginRef": "other"}, None, "parser.pluginRef", "no plugin is named"),
+        (None, {"type": "passthrough-parser"}, "plugins[4].type", "OpenAI"),
+        (None, {"type": "openai-parser", "parameters": {"x": 1}}, "plugins[4].parameters", ""),
+    ]
+    # llm-d's own test configs list the parser in a profile: it takes no slot there.
+    cfg = corpus("llmd-default-parser.yaml")
+    cfg["schedulingProfiles"][0]["plugins"].insert(0, {"pluginRef": "openai-parser"})
+    assert [n["key"] for n in config_info(cfg)["notes"]] == ["featureGates[0]", "parser"]
+    cfg["schedulingProfiles"][0]["plugins"][0]["weight"] = 1
+    with pytest.raises(ConfigError, match=r"plugins\[0\]\.weight: only scorers .* parser"):
+        config_info(cfg)
+    for parser, plugin, key, message in refused:
+        cfg = corpus("llmd-default-parser.yaml")
+        if parser is not None:
+            cfg["parser"] = parser
+        if plugin is not None:
+            cfg["plugins"][4] = plugin
+        with pytest.raises(ConfigError, match=f"^{re.escape(key)}: .*{message}"):
+            config_info(cfg)
+
+
+def test_utilization_detector_gives_flow_control_its_thresholds(tmp_path: Path) -> None:
+    """llm-d's current saturation detector is a `utilization-detector` plugin that
+    `saturationDetector.pluginRef` names (or that is named `utilization-detector`): its
+    thresholds become flow control's, as the flat `saturationDetector` fields of earlier
+    releases do. The published sample's admitter plugin is refused by its type."""
+    from llmsched.gateway import Gateway
+
+    info = config_info(CORPUS / "llmd-utilization-detector.yaml")
+    assert info["saturation"] == {
+        "queue_depth_threshold": 999999999,
+        "kv_cache_util_threshold": 1.0,
+        "metrics_staleness_s": None,
+    }
+    assert info["notes"] == []  # used by saturationDetector: not "declared but unused"
+    cfg = corpus("llmd-utilization-detector.yaml")
+    cfg["plugins"].insert(0, {"type": "probabilistic-admitter"})
+    with pytest.raises(ConfigError, match=r"^plugins\[0\]\.type: .*admission is the gateway"):
+        config_info(cfg)
+    cfg["plugins"][0] = {"type": "concurrency-detector"}
+    with pytest.raises(ConfigError, match=r"^plugins\[0\]\.type: .*utilization-detector"):
+        config_info(cfg)
+    # Without the section, the plugin named utilization-detector is llm-d's default detector.
+    cfg = corpus("llmd-utilization-detector.yaml")
+    del cfg["saturationDetector"]
+    cfg["plugins"][1]["parameters"] = {"queueDepthThreshold": 7, "metricsStalenessThreshold": "1s"}
+    assert config_info(cfg)["saturation"] == {
+        "queue_depth_threshold": 7,
+        "kv_cache_util_threshold": None,
+        "metrics_staleness_s": 1.0,
+    }
+    refused = [
+        ({"pluginRef": "random-picker"}, "saturationDetector.pluginRef", "not a saturation"),
+        ({"pluginRef": "nope"}, "saturationDetector.pluginRef", "no plugin is named"),
+        (
+            {"pluginRef": "utilization-detector", "queueDepthThreshold": 3},
+            "saturationDetector.queueDepthThreshold",
+            "cannot be given with pluginRef",
+        ),
+    ]
+    for section, key, message in refused:
+        cfg = corpus("llmd-utilization-detector.yaml")
+        cfg["saturationDetector"] = section
+        with pytest.raises(ConfigError, match=f"^{re.escape(key)}: .*{message}"):
+            config_info(cfg)
+    engines = [{"host": "127.0.0.1", "port": 8001}, {"host": "127.0.0.1", "port": 8002}]
+    cfg = corpus("llmd-utilization-detector.yaml")
+    cfg["featureGates"] = ["flowControl"]
+    cfg["plugins"][1]["parameters"] = {"queueDepthThreshold": 8, "kvCacheUtilThreshold": 0.9}
+    (tmp_path / "epp.yaml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "gateway.yaml").write_text(
+        yaml.safe_dump({"engines": engines, "models": ["tiny"], "router": "epp.yaml"})
+    )
+    gateway = Gateway(tmp_path / "gateway.yaml")
+    assert gateway.flow is not None
+    saturation = gateway.flow.config["saturation"]
+    assert (saturation["queue_threshold"], saturation["kv_threshold"]) == (8, 0.9)
+
+
+def test_utilization_detector_in_a_profile_filters_with_headroom() -> None:
+    """As a filter, llm-d keeps endpoints with waiting < queueDepthThreshold * (1 + headroom)
+    and KV use < kvCacheUtilThreshold * (1 + headroom): with 5, 0.8 and headroom 0.2 the
+    limits are 6 waiting and 0.96, so e1 (6 waiting) and e2 (0.96) go and e0 stays; when every
+    endpoint is over, all stay (llm-d's filter fails open)."""
+    cfg = {
+        "plugins": [
+            {"type": "utilization-detector", "parameters": {"headroom": 0.2}},
+            {"type": "queue-scorer"},
+            {"type": "max-score-picker"},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [{"pluginRef": "utilization-detector"}, {"pluginRef": "queue-scorer"}],
+            }
+        ],
+    }
+    pool = _pool(3)
+    for name, waiting, kv in [("e0", 5, 0.95), ("e1", 6, 0.0), ("e2", 0, 0.96)]:
+        pool.update(name, waiting=waiting, kv_cache_usage=kv, now=0.0)
+    decision = Router(pool, config=cfg).pick(tokens=list(range(64)), now=0.0)
+    assert (decision.endpoint, decision.fallbacks) == ("e0", [])
+    pool.update("e0", waiting=9, kv_cache_usage=0.0, now=0.0)
+    decision = Router(pool, config=cfg).pick(tokens=list(range(64)), now=0.0)
+    assert decision.endpoint == "e2"  # all over a limit: all kept, the shortest queue wins

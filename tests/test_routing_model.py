@@ -29,6 +29,10 @@ SCORERS = [
 FILTERS = [
     ("decode-filter", {}),
     ("utilization-filter", {"queueDepthThreshold": 4, "kvCacheUtilThreshold": 0.7}),
+    (
+        "utilization-detector",
+        {"queueDepthThreshold": 3, "kvCacheUtilThreshold": 0.6, "headroom": 0.5},
+    ),
     ("by-label", {"label": "zone", "validValues": ["a"], "allowsNoLabel": True}),
 ]
 

@@ -228,7 +228,8 @@ def _router() -> list[str]:
         "",
         "| key | what it holds |",
         "|---|---|",
-        "| `apiVersion`, `kind` | `kind` must be `EndpointPickerConfig` when given |",
+        "| `apiVersion`, `kind` | when given, `llm-d.ai/v1alpha1` or "
+        "`inference.networking.x-k8s.io/v1alpha1`, and `EndpointPickerConfig` |",
         "| `plugins[]` | `type` (one of the [plugin catalogue](plugins.md)), optional `name` "
         "(default: the type), `parameters` |",
         "| `schedulingProfiles[]` | `name`, `plugins[]` of `{pluginRef, weight}` (scorers are "
@@ -236,8 +237,10 @@ def _router() -> list[str]:
         "counts once with its weights summed, a filter listed twice runs twice, both noted; the "
         "weights must sum to a finite number, all 0 is noted) |",
         "| `saturationDetector` | `queueDepthThreshold`, `kvCacheUtilThreshold`, "
-        "`metricsStalenessThreshold`: flow control's saturation thresholds (gateway) |",
+        "`metricsStalenessThreshold`: flow control's saturation thresholds (gateway); or "
+        "`pluginRef` naming a `utilization-detector` plugin that holds them |",
         "| `featureGates` | `flowControl` turns flow control on in the gateway |",
+        "| `parser` | `pluginRef` naming an `openai-parser` plugin: noted, no effect |",
         "",
         "[llm-d compatibility](llm-d-compatibility.md) gives each section's status.",
         "",

@@ -24,11 +24,13 @@ Time: every call that depends on the clock takes ``now`` (seconds, any origin), 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
+import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -524,8 +526,38 @@ def config_info(config: ConfigLike) -> ConfigInfo:
     >>> info["flow_control"], info["notes"][0]["key"]
     (True, 'plugins[0].type')
     """
-    native, functions = native_config(load_config(config))
-    return _config_info(native, functions)
+    loaded = load_config(config)
+    with _naming_file(config):
+        native, functions = native_config(loaded)
+        return _config_info(native, functions)
+
+
+@contextlib.contextmanager
+def _naming_file(config: ConfigLike) -> Iterator[None]:
+    """Prefixes a ConfigError raised inside with the file ``config`` names, if it names one:
+    the native parser names the key (``plugins[3].type``), not the file it came from.
+
+    >>> try:
+    ...     with _naming_file("epp.yaml"):
+    ...         raise ConfigError("kind: must be EndpointPickerConfig")
+    ... except ConfigError as exc:
+    ...     print(exc)
+    router config 'epp.yaml': kind: must be EndpointPickerConfig
+    """
+    try:
+        yield
+    except ConfigError as exc:
+        if isinstance(config, os.PathLike):
+            path = os.fspath(config)
+        elif (
+            isinstance(config, str)
+            and not looks_like_text(config)
+            and _llmsched.Router.preset(config) is None
+        ):
+            path = config
+        else:
+            raise
+        raise type(exc)(f"router config {path!r}: {exc}") from None
 
 
 def _config_info(native: dict[str, Any], functions: list[Any]) -> ConfigInfo:
@@ -664,8 +696,9 @@ class Router:
                 f"max_sessions must be in 1..2**64-1 or None, got {describe_int(max_sessions)}"
             )
         loaded = load_config(config)
-        native, functions = native_config(loaded)
-        info = _config_info(native, functions)
+        with _naming_file(config):
+            native, functions = native_config(loaded)
+            info = _config_info(native, functions)
         self._reads_roles = _reads_roles(loaded)
         _log_notes(info)
         warnings = [f"routing config {n['key']}: {n['message']}" for n in info["notes"]]
@@ -728,16 +761,17 @@ class Router:
         self._index = index
         self._info = info
         self._warnings = warnings
-        self._native = _llmsched.Router(
-            pool._native,
-            index._native,
-            native,
-            functions,
-            seed,
-            record_ttl_s,
-            session_ttl_s,
-            max_sessions,
-        )
+        with _naming_file(config):
+            self._native = _llmsched.Router(
+                pool._native,
+                index._native,
+                native,
+                functions,
+                seed,
+                record_ttl_s,
+                session_ttl_s,
+                max_sessions,
+            )
 
     @staticmethod
     def presets() -> list[str]:

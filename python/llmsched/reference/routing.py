@@ -158,6 +158,14 @@ def _filter(
         q = p.get("queueDepthThreshold", 5)
         kv = p.get("kvCacheUtilThreshold", 0.8)
         return [not e.saturated and e.waiting < q and e.kv_cache_usage < kv for e in eps], True
+    if kind == "utilization-detector":
+        # llm-d's detector as a filter: limits relaxed by headroom, compared as floats.
+        scale = 1.0 + p.get("headroom", 0.0)
+        q_limit = p.get("queueDepthThreshold", 5) * scale
+        kv_limit = p.get("kvCacheUtilThreshold", 0.8) * scale
+        return [
+            not e.saturated and e.waiting < q_limit and e.kv_cache_usage < kv_limit for e in eps
+        ], True
     if kind == "by-label":
         return [
             e.labels[p["label"]] in p.get("validValues", [])
@@ -180,7 +188,7 @@ def _run_profile(
     for ref in profile["plugins"]:
         plugin = plugins[ref["pluginRef"]]
         kind, params = plugin["type"], plugin.get("parameters") or {}
-        if kind.endswith("-filter") or kind == "by-label":
+        if kind.endswith("-filter") or kind in ("by-label", "utilization-detector"):
             if not current:
                 continue
             keep, fail_open = _filter(kind, params, current, ctx)

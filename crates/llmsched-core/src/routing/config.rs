@@ -85,7 +85,28 @@ pub const FEATURE_GATES: &[(&str, &str, bool)] = &[
         "has no effect: endpoint metrics come from the gateway's scraper or EndpointPool.update",
         false,
     ),
+    (
+        "enableLegacyMetrics",
+        "has no effect: endpoint metrics come from the gateway's scraper or EndpointPool.update \
+         (llm-d's legacy polling path and its data layer read the same engine metrics)",
+        false,
+    ),
 ];
+
+/// The `apiVersion` values llm-d's loader registers for `EndpointPickerConfig`: its own, and
+/// the Inference Extension's (deprecated there, still read).
+pub const API_VERSIONS: &[&str] = &["llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1"];
+
+/// The request parser llm-d's `parser` section may name: the gateway parses OpenAI completions
+/// and chat completions itself, as this plugin does.
+const OPENAI_PARSER: &str = "openai-parser";
+
+/// The `openai-parser` plugins declared: name and key (`plugins[i]`), kept out of the plugin
+/// instances (no decision reads them).
+type Parsers = Vec<(String, String)>;
+
+/// What `plugins` declares: each instance's index by name, the instances, the parsers.
+type ParsedPlugins = (HashMap<String, usize>, Vec<Instance>, Parsers);
 
 /// A parsed configuration, ready for a router.
 pub struct RouterConfig {
@@ -165,17 +186,15 @@ const TOP_LEVEL: &[&str] = &[
     "saturationDetector",
     "dataLayer",
     "data",
+    "parser",
 ];
 
 /// Sections of the peers' file with no counterpart here, and what to use instead.
-const REFUSED: &[(&str, &str)] = &[
-    (
-        "flowControl",
-        "is not read here: configure flow control in the gateway's `flow` section (or \
+const REFUSED: &[(&str, &str)] = &[(
+    "flowControl",
+    "is not read here: configure flow control in the gateway's `flow` section (or \
          FlowController); `featureGates: [flowControl]` turns it on with llm-d's defaults",
-    ),
-    ("parser", "is not read here: the gateway parses OpenAI completions and chat completions"),
-];
+)];
 
 /// Plugin types of llm-d or the Inference Extension with no counterpart here, and why.
 const REFUSED_TYPES: &[(&str, &str)] = &[
@@ -194,6 +213,30 @@ const REFUSED_TYPES: &[(&str, &str)] = &[
         "always-disagg-multimodal-decider",
         "is not supported: encode disaggregation (multimodal encoder endpoints) is not; the \
          decode and prefill stages are",
+    ),
+    (
+        "probabilistic-admitter",
+        "is not supported: admission is the gateway's flow control (its `flow` section, or \
+         `featureGates: [flowControl]` with the saturation thresholds)",
+    ),
+    (
+        "concurrency-detector",
+        "is not supported: the saturation detector is a utilization-detector (waiting requests \
+         and KV-cache use)",
+    ),
+    (
+        "passthrough-parser",
+        "is not supported: the gateway parses OpenAI completions and chat completions \
+         (llm-d's openai-parser)",
+    ),
+    (
+        "vllmgrpc-parser",
+        "is not supported: the gateway speaks OpenAI's HTTP API to the engines, not vLLM's gRPC",
+    ),
+    (
+        "vertexai-parser",
+        "is not supported: the gateway parses OpenAI completions and chat completions \
+         (llm-d's openai-parser)",
     ),
 ];
 
@@ -234,6 +277,8 @@ const NO_EFFECT_PARAMS: &[(&str, &str, &str)] = &[
 struct Instance {
     key: String,
     name: String,
+    /// The registered type (the current name when an older one was written).
+    type_name: String,
     /// The parameters as written, to name the key a user wrote in later errors.
     params: Value,
     plugin: Plugin,
@@ -242,6 +287,7 @@ struct Instance {
 /// Parses a configuration value with the plugins of `registry`.
 pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigError> {
     let top = object(value, "config")?;
+    check_type_meta(top)?;
     for key in top.keys() {
         if let Some((_, why)) = REFUSED.iter().find(|(k, _)| k == key) {
             return Err(ConfigError::new(key.clone(), *why));
@@ -255,13 +301,10 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
     }
     let mut notes = Vec::new();
     let flow_control = parse_gates(top.get("featureGates"), &mut notes)?;
-    let saturation = top.get("saturationDetector").map(parse_saturation).transpose()?;
-    if let Some(kind) = top.get("kind") {
-        if kind != "EndpointPickerConfig" {
-            return Err(ConfigError::new("kind", "must be EndpointPickerConfig"));
-        }
-    }
-    let (names, mut instances) = parse_plugins(top.get("plugins"), registry, &mut notes)?;
+    let (names, mut instances, parsers) = parse_plugins(top.get("plugins"), registry, &mut notes)?;
+    parse_parser(top, &names, &parsers, &mut notes)?;
+    let (saturation, detector) =
+        parse_saturation(top.get("saturationDetector"), &names, &instances)?;
     let tree_refs = resolve_trees(&mut instances, &names)?;
     let data_layer = parse_data_section(top, &names, &instances, &mut notes)?;
     let given = top.get("schedulingProfiles").filter(|v| !v.as_array().is_some_and(Vec::is_empty));
@@ -277,7 +320,7 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
     let mut profiles = Vec::new();
     for (i, pv) in profile_values.iter().enumerate() {
         let at = format!("schedulingProfiles[{i}]");
-        let profile = parse_profile(pv, &at, &names, &instances, &mut notes)?;
+        let profile = parse_profile(pv, &at, &names, &instances, &parsers, &mut notes)?;
         if profiles.iter().any(|p: &Profile| p.name == profile.name) {
             return Err(ConfigError::new(
                 format!("schedulingProfiles[{i}].name"),
@@ -287,7 +330,7 @@ pub fn parse(value: &Value, registry: &Registry) -> Result<RouterConfig, ConfigE
         profiles.push(profile);
     }
     let handler = resolve_handler(&instances, &names, &profiles, &mut notes)?;
-    note_unused(&instances, &profiles, &tree_refs, &mut notes);
+    note_unused(&instances, &profiles, &tree_refs, detector, &mut notes);
     let prefill_header = prefill_header(&instances, &profiles, &handler, &mut notes);
     let tokenizer = instances.iter().find_map(|inst| match &inst.plugin {
         Plugin::Data(DataSpec::Tokenizer { model, .. }) => Some((inst.key.clone(), model.clone())),
@@ -455,6 +498,7 @@ fn note_unused(
     instances: &[Instance],
     profiles: &[Profile],
     tree_refs: &HashSet<usize>,
+    detector: Option<usize>,
     notes: &mut Vec<ConfigNote>,
 ) {
     let mut used: HashSet<&str> = HashSet::new();
@@ -470,7 +514,7 @@ fn note_unused(
             Plugin::Picker(_) => "picks nothing",
             _ => continue,
         };
-        if used.contains(inst.name.as_str()) || tree_refs.contains(&i) {
+        if used.contains(inst.name.as_str()) || tree_refs.contains(&i) || detector == Some(i) {
             continue;
         }
         notes.push(ConfigNote {
@@ -552,6 +596,90 @@ fn prefill_header(
     header
 }
 
+/// `apiVersion` and `kind`: absent, or those of llm-d's `EndpointPickerConfig`. A Kubernetes
+/// ConfigMap (what llm-d's Helm charts render the file into) is refused with the keys of its
+/// `data` that hold the configuration.
+fn check_type_meta(top: &Map<String, Value>) -> Result<(), ConfigError> {
+    if let Some(kind) = top.get("kind") {
+        if kind == "ConfigMap" {
+            let keys = top
+                .get("data")
+                .and_then(Value::as_object)
+                .map(|d| d.keys().map(|k| format!("data.{k:?}")).collect::<Vec<_>>().join(", "))
+                .filter(|k| !k.is_empty())
+                .unwrap_or_else(|| "its `data`".into());
+            return Err(ConfigError::new(
+                "kind",
+                format!(
+                    "is ConfigMap: this is the Kubernetes object that holds the configuration; \
+                     give the EndpointPickerConfig it holds ({keys}) as the file, as llm-d's \
+                     endpoint picker reads it mounted from the ConfigMap"
+                ),
+            ));
+        }
+        if kind != "EndpointPickerConfig" {
+            return Err(ConfigError::new(
+                "kind",
+                format!("must be EndpointPickerConfig, got {kind}"),
+            ));
+        }
+    }
+    if let Some(version) = top.get("apiVersion") {
+        if !version.as_str().is_some_and(|v| API_VERSIONS.contains(&v)) {
+            return Err(ConfigError::new(
+                "apiVersion",
+                format!("must be {} (or left out), got {version}", API_VERSIONS.join(" or ")),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// llm-d's `parser` section and its `openai-parser` plugins (`parsers`: name and key, kept
+/// out of the plugin instances): noted without effect (the gateway parses OpenAI requests
+/// itself); `parser.pluginRef` must name one of them.
+fn parse_parser(
+    top: &Map<String, Value>,
+    names: &HashMap<String, usize>,
+    parsers: &[(String, String)],
+    notes: &mut Vec<ConfigNote>,
+) -> Result<(), ConfigError> {
+    if let Some(v) = top.get("parser") {
+        let map = object(v, "parser")?;
+        check_keys(map, &["pluginRef"], "parser")?;
+        let at = "parser.pluginRef";
+        let name =
+            string(map.get("pluginRef"), at)?.ok_or_else(|| ConfigError::new(at, "is required"))?;
+        if !parsers.iter().any(|(n, _)| n == name) {
+            let why = if names.contains_key(name) {
+                format!("{name:?} is not an {OPENAI_PARSER} plugin")
+            } else {
+                format!("no plugin is named {name:?}")
+            };
+            return Err(ConfigError::new(
+                at,
+                format!("{why}; declare one of type {OPENAI_PARSER}"),
+            ));
+        }
+        notes.push(ConfigNote {
+            key: "parser".into(),
+            message: format!(
+                "has no effect: the gateway parses OpenAI completions and chat completions \
+                 itself, as llm-d's {OPENAI_PARSER}"
+            ),
+        });
+    } else if let Some((_, key)) = parsers.first() {
+        notes.push(ConfigNote {
+            key: format!("{key}.type"),
+            message: format!(
+                "{OPENAI_PARSER} has no effect: the gateway parses OpenAI completions and chat \
+                 completions itself"
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn parse_gates(v: Option<&Value>, notes: &mut Vec<ConfigNote>) -> Result<bool, ConfigError> {
     let Some(v) = v else { return Ok(false) };
     let gates = v.as_array().ok_or_else(|| ConfigError::new("featureGates", "must be a list"))?;
@@ -576,21 +704,74 @@ fn parse_gates(v: Option<&Value>, notes: &mut Vec<ConfigNote>) -> Result<bool, C
     Ok(flow_control)
 }
 
-fn parse_saturation(v: &Value) -> Result<SaturationSpec, ConfigError> {
+/// llm-d's saturation detector plugin, which `saturationDetector.pluginRef` names (by default
+/// the plugin named `utilization-detector`).
+const DETECTOR: &str = "utilization-detector";
+
+/// The flow-control thresholds: `saturationDetector`'s own (the Extension's earlier form), or
+/// those of the `utilization-detector` plugin its `pluginRef` names (llm-d's current form;
+/// without a section or a `pluginRef`, the plugin named `utilization-detector`, as llm-d's
+/// default). Returns the index of that plugin too.
+fn parse_saturation(
+    v: Option<&Value>,
+    names: &HashMap<String, usize>,
+    instances: &[Instance],
+) -> Result<(Option<SaturationSpec>, Option<usize>), ConfigError> {
     let at = "saturationDetector";
-    let map = object(v, at)?;
-    if map.contains_key("pluginRef") {
-        return Err(ConfigError::new(
-            format!("{at}.pluginRef"),
-            "a saturation detector plugin is not supported; give queueDepthThreshold, \
-             kvCacheUtilThreshold and metricsStalenessThreshold",
-        ));
+    let map = v.map(|v| object(v, at)).transpose()?;
+    let mut reference = None;
+    if let Some(r) = map.and_then(|m| m.get("pluginRef")) {
+        let key = format!("{at}.pluginRef");
+        if let Some(other) = map.into_iter().flat_map(|m| m.keys()).find(|k| *k != "pluginRef") {
+            return Err(ConfigError::new(
+                format!("{at}.{other}"),
+                format!(
+                    "cannot be given with pluginRef: set the thresholds in the parameters of \
+                     the {DETECTOR} plugin it names"
+                ),
+            ));
+        }
+        let name = string(Some(r), &key)?.unwrap_or_default();
+        // llm-d reads an empty reference as the default one.
+        if !name.is_empty() {
+            let i = *names.get(name).ok_or_else(|| {
+                ConfigError::new(
+                    &key,
+                    format!("no plugin is named {name:?}; declare a plugin of type {DETECTOR}"),
+                )
+            })?;
+            if instances[i].type_name != DETECTOR {
+                return Err(ConfigError::new(
+                    &key,
+                    format!(
+                        "{name:?} is a {}, not a saturation detector; name a plugin of type \
+                         {DETECTOR}",
+                        instances[i].type_name
+                    ),
+                ));
+            }
+            reference = Some(i);
+        }
+    } else if let Some(map) = map {
+        check_keys(
+            map,
+            &["queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold"],
+            at,
+        )?;
+        return Ok((Some(thresholds(map, at)?), None));
     }
-    check_keys(
-        map,
-        &["queueDepthThreshold", "kvCacheUtilThreshold", "metricsStalenessThreshold"],
-        at,
-    )?;
+    let detector = reference
+        .or_else(|| names.get(DETECTOR).copied().filter(|&i| instances[i].type_name == DETECTOR));
+    let Some(i) = detector else { return Ok((None, None)) };
+    let inst = &instances[i];
+    let empty = Map::new();
+    let params = inst.params.as_object().unwrap_or(&empty);
+    let spec = thresholds(params, &format!("{}.parameters", inst.key))?;
+    Ok((Some(spec), Some(i)))
+}
+
+/// `queueDepthThreshold`, `kvCacheUtilThreshold` and `metricsStalenessThreshold` of `map`.
+fn thresholds(map: &Map<String, Value>, at: &str) -> Result<SaturationSpec, ConfigError> {
     let mut spec = SaturationSpec::default();
     if let Some(q) = map.get("queueDepthThreshold") {
         spec.queue_depth_threshold = Some(q.as_u64().filter(|&q| q > 0).ok_or_else(|| {
@@ -756,9 +937,10 @@ fn parse_plugins(
     v: Option<&Value>,
     registry: &Registry,
     notes: &mut Vec<ConfigNote>,
-) -> Result<(HashMap<String, usize>, Vec<Instance>), ConfigError> {
+) -> Result<ParsedPlugins, ConfigError> {
     let mut names = HashMap::new();
     let mut instances = Vec::new();
+    let mut parsers: Parsers = Vec::new();
     for (i, pv) in array(v, "plugins")?.iter().enumerate() {
         let at = format!("plugins[{i}]");
         let map = object(pv, &at)?;
@@ -769,6 +951,26 @@ fn parse_plugins(
         let name = string(map.get("name"), &format!("{at}.name"))?.unwrap_or(type_name).to_string();
         if let Some((_, why)) = REFUSED_TYPES.iter().find(|(t, _)| *t == type_name) {
             return Err(ConfigError::new(&type_key, format!("{type_name:?} {why}")));
+        }
+        if names.contains_key(&name) || parsers.iter().any(|(n, _)| *n == name) {
+            return Err(ConfigError::new(
+                format!("{at}.name"),
+                format!("duplicate plugin name {name:?}"),
+            ));
+        }
+        if type_name == OPENAI_PARSER {
+            // llm-d's factory takes no parameters; the parser section reads it (parse_parser).
+            if map
+                .get("parameters")
+                .is_some_and(|p| !p.is_null() && p != &Value::Object(Map::new()))
+            {
+                return Err(ConfigError::new(
+                    format!("{at}.parameters"),
+                    format!("{OPENAI_PARSER} takes no parameters"),
+                ));
+            }
+            parsers.push((name, at));
+            continue;
         }
         let (factory, current) = registry.resolve(type_name).ok_or_else(|| {
             ConfigError::new(
@@ -815,15 +1017,11 @@ fn parse_plugins(
                 message: message.clone(),
             });
         }
-        if names.insert(name.clone(), instances.len()).is_some() {
-            return Err(ConfigError::new(
-                format!("{at}.name"),
-                format!("duplicate plugin name {name:?}"),
-            ));
-        }
-        instances.push(Instance { key: at, name, params: params.clone(), plugin });
+        names.insert(name.clone(), instances.len());
+        let type_name = current_type.to_string();
+        instances.push(Instance { key: at, name, type_name, params: params.clone(), plugin });
     }
-    Ok((names, instances))
+    Ok((names, instances, parsers))
 }
 
 fn parse_profile(
@@ -831,6 +1029,7 @@ fn parse_profile(
     at: &str,
     names: &HashMap<String, usize>,
     instances: &[Instance],
+    parsers: &[(String, String)],
     notes: &mut Vec<ConfigNote>,
 ) -> Result<Profile, ConfigError> {
     let map = object(v, at)?;
@@ -857,6 +1056,16 @@ fn parse_profile(
         let ref_key = format!("{rat}.pluginRef");
         let plugin_ref = string(rmap.get("pluginRef"), &ref_key)?
             .ok_or_else(|| ConfigError::new(&ref_key, "is required"))?;
+        if parsers.iter().any(|(n, _)| n == plugin_ref) {
+            // llm-d's own configs list the parser in a profile, which assigns it no slot.
+            if rmap.contains_key("weight") {
+                return Err(ConfigError::new(
+                    format!("{rat}.weight"),
+                    format!("only scorers take a weight; {plugin_ref:?} is a parser"),
+                ));
+            }
+            continue;
+        }
         let &idx = names
             .get(plugin_ref)
             .ok_or_else(|| ConfigError::new(&ref_key, format!("no plugin named {plugin_ref:?}")))?;
@@ -1506,7 +1715,10 @@ mod tests {
             ),
             (with("saturationDetector", json!({"queueDepth": 1})), "saturationDetector.queueDepth"),
             (with("flowControl", json!({})), "flowControl"),
-            (with("parser", json!({})), "parser"),
+            (with("parser", json!({})), "parser.pluginRef"),
+            (with("parser", json!({"pluginRef": "queue-scorer"})), "parser.pluginRef"),
+            (with("apiVersion", json!("example.com/v9")), "apiVersion"),
+            (with("kind", json!("ConfigMap")), "kind"),
             (with("dataLayer", json!({"discovery": {"pluginRef": "x"}})), "dataLayer.discovery"),
         ];
         for (v, key) in refused {

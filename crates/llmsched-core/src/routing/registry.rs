@@ -286,6 +286,11 @@ impl Registry {
             filters::utilization::doc,
         );
         r.add_documented(
+            "utilization-detector",
+            filters::utilization::detector_factory,
+            filters::utilization::detector_doc,
+        );
+        r.add_documented(
             "prefix-cache-affinity-filter",
             filters::prefix_affinity::factory,
             filters::prefix_affinity::doc,

@@ -3,6 +3,14 @@
 //! `kvCacheUtilThreshold` (default 0.8), the defaults of llm-d's saturation detector; optional
 //! `maxRunningRequests`. Stale endpoints under the "saturated" policy are dropped. Fails open:
 //! when every endpoint is saturated, all stay (better a busy endpoint than none).
+//!
+//! `utilization-detector`: llm-d's current saturation detector, which is also a filter. Its
+//! thresholds (`queueDepthThreshold` 5, `kvCacheUtilThreshold` 0.8,
+//! `metricsStalenessThreshold` "200ms") are flow control's when `saturationDetector.pluginRef`
+//! names it (read by [`crate::routing::config`]); listed in a profile, it keeps endpoints with
+//! `waiting < queueDepthThreshold * (1 + headroom)` and `kv < kvCacheUtilThreshold * (1 +
+//! headroom)` (llm-d's comparison, in f64), dropping stale ones, and fails open as llm-d's
+//! filter does. Stale means what the pool marks stale (`EndpointPool(stale_after_s=...)`).
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -32,7 +40,8 @@ impl Default for Params {
 }
 
 pub struct UtilizationFilter {
-    queue: u32,
+    /// Waiting requests stay below this (a float: the detector's limit scaled by headroom).
+    queue: f64,
     kv: f64,
     running: u32,
 }
@@ -52,7 +61,7 @@ impl Filter for UtilizationFilter {
         for (k, c) in keep.iter_mut().zip(cands) {
             let m = &c.metrics;
             *k = !c.saturated
-                && m.waiting < self.queue
+                && f64::from(m.waiting) < self.queue
                 && m.kv_cache_usage < self.kv
                 && m.running < self.running;
         }
@@ -68,7 +77,7 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
     let p: Params = decode(params)?;
     check_range("kvCacheUtilThreshold", p.kv_cache_util_threshold, 0.0, 1.0)?;
     Ok(Plugin::filter(UtilizationFilter {
-        queue: p.queue_depth_threshold,
+        queue: f64::from(p.queue_depth_threshold),
         kv: p.kv_cache_util_threshold,
         running: p.max_running_requests.unwrap_or(u32::MAX),
     }))
@@ -95,6 +104,86 @@ pub fn doc() -> PluginDoc {
     )
 }
 
+/// `utilization-detector`'s parameters, llm-d's `apiConfig` with its defaults.
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+struct DetectorParams {
+    queue_depth_threshold: u32,
+    kv_cache_util_threshold: f64,
+    metrics_staleness_threshold: String,
+    headroom: f64,
+}
+
+impl Default for DetectorParams {
+    fn default() -> Self {
+        DetectorParams {
+            queue_depth_threshold: 5,
+            kv_cache_util_threshold: 0.8,
+            metrics_staleness_threshold: "200ms".into(),
+            headroom: 0.0,
+        }
+    }
+}
+
+pub fn detector_factory(params: &Value) -> Result<Plugin, ParamError> {
+    let p: DetectorParams = decode(params)?;
+    if p.queue_depth_threshold == 0 {
+        return Err(ParamError::new("queueDepthThreshold", "must be at least 1, got 0"));
+    }
+    if !(p.kv_cache_util_threshold > 0.0 && p.kv_cache_util_threshold <= 1.0) {
+        return Err(ParamError::new(
+            "kvCacheUtilThreshold",
+            format!("must be in (0, 1], got {}", p.kv_cache_util_threshold),
+        ));
+    }
+    match crate::routing::config::parse_duration(&p.metrics_staleness_threshold) {
+        Ok(s) if s > 0.0 => {}
+        Ok(_) => return Err(ParamError::new("metricsStalenessThreshold", "must be positive")),
+        Err(m) => return Err(ParamError::new("metricsStalenessThreshold", m)),
+    }
+    check_range("headroom", p.headroom, 0.0, f64::MAX)?;
+    Ok(Plugin::filter(UtilizationFilter {
+        queue: f64::from(p.queue_depth_threshold) * (1.0 + p.headroom),
+        kv: p.kv_cache_util_threshold * (1.0 + p.headroom),
+        running: u32::MAX,
+    }))
+}
+
+const DETECTOR_PARAMS: &[ParamDoc] = &[
+    ParamDoc::int(
+        "queueDepthThreshold",
+        "waiting requests at which an endpoint is saturated (flow control's queue threshold)",
+    )
+    .min(1.0),
+    ParamDoc::number(
+        "kvCacheUtilThreshold",
+        "KV-cache use at which an endpoint is saturated (flow control's KV threshold; greater \
+         than 0)",
+    )
+    .max(1.0),
+    ParamDoc::string(
+        "metricsStalenessThreshold",
+        "metrics older than this (a Go duration) are stale: flow control's staleness; as a \
+         filter, stale endpoints are those the pool marks stale",
+    ),
+    ParamDoc::number(
+        "headroom",
+        "as a filter, endpoints are kept below each threshold times (1 + headroom)",
+    )
+    .min(0.0),
+];
+
+/// The catalogue entry of `utilization-detector`.
+pub fn detector_doc() -> PluginDoc {
+    PluginDoc::new(
+        "filter",
+        "llm-d's saturation detector: flow control's thresholds when `saturationDetector` names \
+         it; in a profile, keeps endpoints below the thresholds (times 1 + headroom); fails open",
+        DETECTOR_PARAMS,
+        defaults_of::<DetectorParams>(),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,14 +191,35 @@ mod tests {
 
     #[test]
     fn table() {
-        let f = UtilizationFilter { queue: 5, kv: 0.8, running: u32::MAX };
+        let f = UtilizationFilter { queue: 5.0, kv: 0.8, running: u32::MAX };
         let fx = Fixture::new(4).waiting(&[0, 4, 5, 1]).kv(&[0.1, 0.79, 0.2, 0.8]);
         assert_eq!(fx.filter(&f), vec![0, 1]);
         let mut stale = Fixture::new(2);
         stale.candidates[0].saturated = true;
         assert_eq!(stale.filter(&f), vec![1]);
-        let capped = UtilizationFilter { queue: 5, kv: 0.8, running: 3 };
+        let capped = UtilizationFilter { queue: 5.0, kv: 0.8, running: 3 };
         assert_eq!(Fixture::new(2).running(&[2, 3]).filter(&capped), vec![0]);
         assert_eq!(f.on_empty(), OnEmpty::FailOpen);
+    }
+
+    #[test]
+    fn detector_limits_scale_with_headroom() {
+        let Plugin::Filter(d) = detector_factory(&serde_json::json!({"headroom": 0.2})).unwrap()
+        else {
+            panic!("a filter")
+        };
+        // 5 * 1.2 = 6 waiting, 0.8 * 1.2 = 0.96 KV use: llm-d keeps waiting < 6, kv < 0.96.
+        let fx = Fixture::new(4).waiting(&[5, 6, 0, 0]).kv(&[0.1, 0.1, 0.95, 0.96]);
+        assert_eq!(fx.filter(d.as_ref()), vec![0, 2]);
+        for (params, field) in [
+            (serde_json::json!({"queueDepthThreshold": 0}), "queueDepthThreshold"),
+            (serde_json::json!({"kvCacheUtilThreshold": 0.0}), "kvCacheUtilThreshold"),
+            (serde_json::json!({"metricsStalenessThreshold": "soon"}), "metricsStalenessThreshold"),
+            (serde_json::json!({"headroom": -0.1}), "headroom"),
+            (serde_json::json!({"queueDepth": 1}), ""),
+        ] {
+            let Err(e) = detector_factory(&params) else { panic!("{params} accepted") };
+            assert!(e.path == field || e.message.contains("queueDepth"), "{e:?}");
+        }
     }
 }
