@@ -144,7 +144,8 @@ def test_a_malformed_keys_file_never_echoes_a_key(tmp_path: Path) -> None:
         load_config(base(auth={"api_keys_file": str(path)}))
     assert str(info.value) == (
         f"auth.api_keys_file: cannot read {str(path)!r}: not valid YAML / JSON "
-        "(expected ',' or ']', but got '<stream end>' at line 2, column 1)"
+        "(expected ',' or ']', but got '<stream end>' at line 2, column 1 "
+        "(while parsing a flow sequence that begins at line 1, column 29))"
     )
 
 
