@@ -85,6 +85,24 @@ def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     ("overrides", "message"),
     [
         ({"engines": []}, "engines: must list at least one engine"),
+        # The natural first guesses, an address string, get the form they should take.
+        (
+            {"engines": "http://127.0.0.1:8001"},
+            r"^engines: must be a list of engines, each a mapping such as "
+            r"\{host: 127\.0\.0\.1, port: 8001\} \(docs/config-keys\.md, `engines` entries\); "
+            r"got str 'http://127\.0\.0\.1:8001'$",
+        ),
+        (
+            {"engines": ["127.0.0.1:8001"]},
+            r"^engines\[0\]: must be a mapping such as \{host: 127\.0\.0\.1, port: 8001\} "
+            r".*; got str '127\.0\.0\.1:8001'$",
+        ),
+        (
+            {"engines": [{"host": "http://10.0.0.7", "port": 8000}]},
+            r"^engines\[0\]: host must be a host name or address without a scheme, "
+            r"got 'http://10\.0\.0\.7' \(an engine at http://10\.0\.0\.7:8000 is host: "
+            r"10\.0\.0\.7, port: 8000\)$",
+        ),
         ({"engines": [{"host": "h"}]}, r"engines\[0\]: .*'port'"),
         (
             {"engines": [{"host": "h", "port": 1, "replicas": 2}]},

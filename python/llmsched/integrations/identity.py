@@ -59,6 +59,12 @@ def _host_part(host: str) -> str:
 
 
 def _check_host(host: object) -> str:
+    if isinstance(host, str) and "://" in host:
+        # A URL where a host belongs: the scheme and port have keys of their own.
+        raise ConfigError(
+            f"host must be a host name or address without a scheme, got {host!r} "
+            "(an engine at http://10.0.0.7:8000 is host: 10.0.0.7, port: 8000)"
+        )
     if not isinstance(host, str) or not host or host != host.strip() or "/" in host:
         raise ConfigError(f"host must be a non-empty host name or address, got {host!r}")
     if ":" in host:
