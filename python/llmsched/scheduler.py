@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, SupportsIndex
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
@@ -1881,6 +1881,17 @@ class _Scheduling:
     ) -> None:
         if self._placement is not None:
             self._placement.end_for(exc_type)
+
+    def __enter__(self) -> NoReturn:
+        # ``with`` where ``async with`` belongs: Python 3.10 said only "AttributeError: __enter__".
+        raise InvalidTypeError(
+            "Scheduler.schedule() is entered with `async with scheduler.schedule(request) as "
+            "placement:`; code without an event loop uses `with "
+            "scheduler.schedule_sync(request) as placement:`"
+        )
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Never reached: :meth:`__enter__` raises."""
 
 
 def _also_eligible(decision: Decision, considered: list[EndpointId]) -> list[EndpointId]:
