@@ -469,3 +469,24 @@ def test_api_keys_a_client_cannot_present_are_refused(key: str) -> None:
         load_config(base(auth={"api_keys": {key: {"tenant": "team-a"}}}))
     assert "team-a" in str(error.value) and key.strip() not in str(error.value)
     assert load_config(base(auth={"api_keys": {"inner space key": {"tenant": "t"}}})).auth.enabled
+
+
+def test_the_readme_gateway_config_loads_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README's gateway.yaml, copied as it stands next to a ./tiny-model tokenizer, loads. It
+    named `api_keys_env: LLMSCHED_API_KEYS`, a variable nobody following the README had set,
+    so `llmsched serve --config gateway.yaml` stopped at `auth.api_keys_env: environment
+    variable LLMSCHED_API_KEYS is not set`."""
+    from llmsched.testing.openai_engine import write_tokenizer
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("\n## Gateway\n", 1)[1]
+    example = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    monkeypatch.delenv("LLMSCHED_API_KEYS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    write_tokenizer(tmp_path / "tiny-model")
+    (tmp_path / "gateway.yaml").write_text(example)
+    config = load_config(tmp_path / "gateway.yaml")
+    assert [e.topic for e in config.engines] == ["kv@a", "kv@b"]
+    assert config.models == ("tiny",) and config.block_size == 32
