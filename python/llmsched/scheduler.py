@@ -101,6 +101,7 @@ from llmsched.validation import (
     check_utf8,
     describe_int,
     is_finite_number,
+    normal_address,
 )
 
 if TYPE_CHECKING:
@@ -1123,8 +1124,6 @@ class Scheduler:
 
     def _enter_place(self, key: EndpointId) -> None:
         """Files engine ``key`` under its (address, rank)."""
-        from llmsched.integrations.identity import normal_address
-
         engine = self._engines[key]
         if not engine.endpoint.address:
             return
