@@ -190,3 +190,17 @@ def test_serve_reports_any_llmsched_error_in_one_line(
     assert one_line_error(capsys) == (
         "llmsched serve: address must be valid UTF-8 (no lone surrogates)"
     )
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["calibrate"], ["sim"], ["serve"]])
+def test_help_reads_as_plain_text(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """`llmsched --help` opened with "The ``llmsched`` command line.": the module docstring's
+    first line, reST markup and all, saying nothing of what the commands do."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":class:" not in out and ":func:" not in out
+    if not command:
+        assert "Where and when an LLM request runs" in out
+        assert all(name in out for name in ("demo", "calibrate", "sim", "serve"))

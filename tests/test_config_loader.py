@@ -71,6 +71,43 @@ def test_errors_name_what_and_the_file(tmp_path: Path) -> None:
         read_document(3, what="c")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        (
+            "replicas: 4\nworkload: {sessions: 20, turns: 3\n  seed: 1\n",
+            "expected ',' or '}', but got ':' at line 3, column 7: '  seed: 1' "
+            "(while parsing a flow mapping that begins at line 2, column 11)",
+        ),
+        (
+            "replicas: [1\n",
+            "expected ',' or ']', but got '<stream end>' at line 2, column 1 "
+            "(while parsing a flow sequence that begins at line 1, column 11)",
+        ),
+        ("a: 1\r\nb: : 2\r\n", "mapping values are not allowed here at line 2, column 4: 'b: : 2'"),
+        (
+            "k: v\n\tl: 2\n",
+            "found character '\\t' that cannot start any token at line 2, column 1: '\\tl: 2'",
+        ),
+    ],
+)
+def test_a_yaml_syntax_error_names_its_line(text: str, reason: str, tmp_path: Path) -> None:
+    """PyYAML's message, flattened onto one line, read ``while parsing a flow sequence in
+    "<unicode string>", line 1, column 11: replicas: [1 ^ expected ...``: the file called a
+    unicode string and a caret pointing nowhere. Now: the problem, its line and column and
+    that line's text, then where what it was parsing began."""
+    path = tmp_path / "s.yaml"
+    path.write_bytes(text.encode())
+    with pytest.raises(ConfigError) as info:
+        load_mapping(path, what="scenario")
+    assert (
+        str(info.value) == f"scenario: cannot read {str(path)!r}: not valid YAML / JSON ({reason})"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_mapping(text, what="scenario")
+    assert str(info.value) == f"scenario: not valid YAML / JSON ({reason})"
+
+
 def test_key_errors_name_the_file(tmp_path: Path) -> None:
     path = tmp_path / "s.yaml"
     path.write_text("replicas: 0\n")

@@ -61,6 +61,10 @@ CORE_SCRIPT = textwrap.dedent(
     assert flow.enqueue(FlowRequest(1, tenant="t")) is None and flow.dispatch().id == 1
     tracker = SliceTracker("fixed")
     tracker.set_endpoint("a", kv_cache_usage=0.5)
+    from llmsched import Endpoint, Scheduler, ScheduleRequest  # over ids and Endpoints: core
+    scheduler = Scheduler(["a", Endpoint("b", address="10.0.0.7:8000")], router="round-robin")
+    with scheduler.schedule_sync(ScheduleRequest(tokens=[1, 2])) as placement:
+        assert placement.endpoint == "a", placement
     import llmsched.sim, llmsched.executor  # the torch-free parts import without extras
 
     errors = {}
@@ -88,6 +92,10 @@ CORE_SCRIPT = textwrap.dedent(
 
 
 def _run(*argv: str | Path, **kw: object) -> subprocess.CompletedProcess[str]:
+    # Without the caller's PYTHONPATH: run from a checkout with PYTHONPATH=python (as the
+    # contributor docs say), the venv imported that checkout, not the wheel under test.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    kw.setdefault("env", env)
     return subprocess.run([str(a) for a in argv], capture_output=True, text=True, check=False, **kw)  # type: ignore[call-overload, no-any-return]
 
 
@@ -201,6 +209,6 @@ def test_import_llmsched_loads_no_optional_or_heavy_module() -> None:
         "'aiohttp', 'tokenizers', 'jinja2', 'matplotlib', 'tqdm', 'torch', 'xxhash', 'cbor2', "
         "'msgpack') if m in sys.modules))"
     )
-    done = _run(sys.executable, "-c", script)
+    done = _run(sys.executable, "-c", script, env=dict(os.environ))  # this checkout's llmsched
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -120,3 +120,70 @@ def test_doctest_blocks_render_as_code() -> None:
         "    3",
         "    ```",
     ]
+
+
+PIP_EXTRAS = re.compile(r"pip install '?llmsched\[([\w,]+)\]")
+REQUIRE = re.compile(r"require\(\s*\"(\w+)\",\s*((?:\"\w+\",\s*)+)feature=")
+IMPORTS = re.compile(r"^\s*(?:from|import) ([\w.]+)", flags=re.M)
+
+
+def _needed_packages(module: str) -> set[str]:
+    """The import names a module's ``llmsched._extras.require`` calls (and its packages')
+    ask for, read from the source without importing it; a third-party module is itself."""
+    if module.split(".")[0] != "llmsched":
+        return {module.split(".")[0]}
+    needed: set[str] = set()
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        base = ROOT / "python" / Path(*parts[:i])
+        for source in (base / "__init__.py", base.with_suffix(".py")):
+            if source.exists():
+                for _, names in REQUIRE.findall(source.read_text()):
+                    needed |= set(re.findall(r"\"(\w+)\"", names))
+    return needed
+
+
+@pytest.mark.parametrize(
+    "page",
+    [p for p in PAGES_WITH_CODE if PIP_EXTRAS.search(p.read_text())],
+    ids=lambda p: p.name,
+)
+def test_a_page_installs_the_extras_its_code_imports(page: Path) -> None:
+    """The embedding guide said `pip install 'llmsched[integrations]'`, and its first block
+    failed there: the fake engines (llmsched.testing) need msgpack, from the test extra."""
+    from llmsched._extras import EXTRAS
+
+    text = page.read_text()
+    extras = {e for found in PIP_EXTRAS.findall(text) for e in found.split(",")}
+    installed = {"numpy", "yaml"} | {m for e in extras for m in EXTRAS[e]}
+    for code in BLOCK.findall(text):
+        for module in IMPORTS.findall(code):
+            if module.split(".")[0] in sys.stdlib_module_names:
+                continue
+            missing = _needed_packages(module) - installed
+            assert not missing, f"docs/{page.name}: {module} needs {missing}, not in {extras}"
+
+
+def test_the_install_page_lists_every_extra() -> None:
+    """docs/install.md's table of extras left out `kubernetes` and `cluster`."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    section = pyproject.split("[project.optional-dependencies]")[1].split("\n[")[0]
+    extras = re.findall(r"^([\w-]+) = \[", section, flags=re.M)
+    table = (DOCS / "install.md").read_text()
+    assert extras and [e for e in extras if f"| `{e}` |" not in table] == []
+
+
+def test_every_public_package_is_on_the_map() -> None:
+    """`help(llmsched)` showed one line and a doctest; docs/index.md's table of modules left
+    out `llmsched.cluster`. Every public subpackage, and every module behind an extra, is in
+    both."""
+    import llmsched
+
+    source = ROOT / "python" / "llmsched"
+    public = {p.name for p in source.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    public |= {p.stem for p in source.glob("*.py") if re.search(r"^require\(", p.read_text(), re.M)}
+    table = (DOCS / "index.md").read_text()
+    doc = llmsched.__doc__ or ""
+    for name in sorted(n for n in public if not n.startswith("_")):
+        assert f"| `llmsched.{name}` |" in table, name
+        assert f"llmsched.{name}" in doc, name

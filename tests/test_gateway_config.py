@@ -85,6 +85,24 @@ def test_api_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     ("overrides", "message"),
     [
         ({"engines": []}, "engines: must list at least one engine"),
+        # The natural first guesses, an address string, get the form they should take.
+        (
+            {"engines": "http://127.0.0.1:8001"},
+            r"^engines: must be a list of engines, each a mapping such as "
+            r"\{host: 127\.0\.0\.1, port: 8001\} \(docs/config-keys\.md, `engines` entries\); "
+            r"got str 'http://127\.0\.0\.1:8001'$",
+        ),
+        (
+            {"engines": ["127.0.0.1:8001"]},
+            r"^engines\[0\]: must be a mapping such as \{host: 127\.0\.0\.1, port: 8001\} "
+            r".*; got str '127\.0\.0\.1:8001'$",
+        ),
+        (
+            {"engines": [{"host": "http://10.0.0.7", "port": 8000}]},
+            r"^engines\[0\]: host must be a host name or address without a scheme, "
+            r"got 'http://10\.0\.0\.7' \(an engine at http://10\.0\.0\.7:8000 is host: "
+            r"10\.0\.0\.7, port: 8000\)$",
+        ),
         ({"engines": [{"host": "h"}]}, r"engines\[0\]: .*'port'"),
         (
             {"engines": [{"host": "h", "port": 1, "replicas": 2}]},
@@ -144,7 +162,8 @@ def test_a_malformed_keys_file_never_echoes_a_key(tmp_path: Path) -> None:
         load_config(base(auth={"api_keys_file": str(path)}))
     assert str(info.value) == (
         f"auth.api_keys_file: cannot read {str(path)!r}: not valid YAML / JSON "
-        "(expected ',' or ']', but got '<stream end>' at line 2, column 1)"
+        "(expected ',' or ']', but got '<stream end>' at line 2, column 1 "
+        "(while parsing a flow sequence that begins at line 1, column 29))"
     )
 
 
@@ -450,3 +469,24 @@ def test_api_keys_a_client_cannot_present_are_refused(key: str) -> None:
         load_config(base(auth={"api_keys": {key: {"tenant": "team-a"}}}))
     assert "team-a" in str(error.value) and key.strip() not in str(error.value)
     assert load_config(base(auth={"api_keys": {"inner space key": {"tenant": "t"}}})).auth.enabled
+
+
+def test_the_readme_gateway_config_loads_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README's gateway.yaml, copied as it stands next to a ./tiny-model tokenizer, loads. It
+    named `api_keys_env: LLMSCHED_API_KEYS`, a variable nobody following the README had set,
+    so `llmsched serve --config gateway.yaml` stopped at `auth.api_keys_env: environment
+    variable LLMSCHED_API_KEYS is not set`."""
+    from llmsched.testing.openai_engine import write_tokenizer
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("\n## Gateway\n", 1)[1]
+    example = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    monkeypatch.delenv("LLMSCHED_API_KEYS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    write_tokenizer(tmp_path / "tiny-model")
+    (tmp_path / "gateway.yaml").write_text(example)
+    config = load_config(tmp_path / "gateway.yaml")
+    assert [e.topic for e in config.engines] == ["kv@a", "kv@b"]
+    assert config.models == ("tiny",) and config.block_size == 32

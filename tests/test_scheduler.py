@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -1000,3 +1002,26 @@ def test_a_session_endpoint_reaches_the_router() -> None:
     for bad in (1.5, True, 2**63, b"a"):
         with pytest.raises(InvalidRequestError, match="session_endpoint"):
             ScheduleRequest(tokens=[1], session_endpoint=bad)  # type: ignore[arg-type]
+
+
+CORE_ONLY = """
+import sys
+for name in ("zmq", "aiohttp", "prometheus_client", "yarl", "tokenizers", "jinja2", "nats"):
+    sys.modules[name] = None  # as after `pip install llmsched`: no extra's package
+from llmsched import Endpoint, ScheduleRequest, Scheduler
+s = Scheduler(["a", Endpoint("b", address="http://10.0.0.7:8000/")], router="round-robin")
+with s.schedule_sync(ScheduleRequest(tokens=[1, 2, 3])) as placement:
+    print(placement.endpoint, s.address_of("b"))
+"""
+
+
+def test_the_scheduler_runs_without_the_integrations_extra() -> None:
+    """``Scheduler(["a"])`` in a core install raised ``ImportError: llmsched.integrations needs
+    the optional packages zmq, aiohttp, prometheus_client``: filing each engine by address
+    imported ``normal_address`` from ``llmsched.integrations.identity``, whose package needs
+    the extra. It lives in ``llmsched.validation`` now."""
+    done = subprocess.run(
+        [sys.executable, "-c", CORE_ONLY], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["a", "http://10.0.0.7:8000/"]

@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from llmsched import Scheduler
+from llmsched import Scheduler, ScheduleRequest
+from llmsched.errors import InvalidTypeError
 from llmsched.integrations import EngineSpec, MetricsScraper
 
 LIMIT_S = 30.0
@@ -182,3 +183,20 @@ def test_a_feed_restart_cancelled_while_it_waits_for_the_last_one_is_cancelled(
         await s.stop()
 
     asyncio.run(asyncio.wait_for(main(), LIMIT_S))
+
+
+def test_schedule_under_a_plain_with_names_async_with() -> None:
+    """``with scheduler.schedule(...)`` (``async with`` meant) was Python's own error: on 3.10
+    ``AttributeError: __enter__``, naming neither fix. Now an InvalidTypeError (a TypeError)
+    names both forms, and nothing was admitted or placed."""
+    scheduler = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 1}})
+    fixes = r"`async with scheduler\.schedule\(request\) as placement:`.*schedule_sync\(request\)"
+    with (
+        pytest.raises(InvalidTypeError, match=fixes),
+        scheduler.schedule(ScheduleRequest(tokens=[1, 2])),  # type: ignore[attr-defined]
+    ):
+        pass
+    assert scheduler.stats()["admitted"] == 0
+    assert scheduler.flow is not None and scheduler.flow.running_count() == 0
+    with scheduler.schedule_sync(ScheduleRequest(tokens=[1, 2])) as placement:
+        assert placement.endpoint == "a"

@@ -1,5 +1,25 @@
 """llmsched: where and when an LLM request runs.
 
+The library a gateway or router imports to make its per-request decisions. This package holds
+the core, which needs only numpy and PyYAML:
+
+- block hashing (:func:`block_hashes`, :func:`text_block_hashes`) and :class:`PrefixIndex`,
+  which replica holds which cached prefix, fed by vLLM's KV events or the router's decisions;
+- :class:`Router` over an :class:`EndpointPool`: filters, scorers and pickers in llm-d's
+  configuration shape, or a named preset (``Router.presets()``);
+- :class:`FlowController`: priority bands, tenant fairness, saturation, shedding, preemption;
+- :class:`SliceTracker`: decoding cut into token slices;
+- :class:`Scheduler`: all of the above wired into one request pipeline;
+- :mod:`llmsched.errors`: every exception, each also the built-in it resembles.
+
+Modules behind an extra (``pip install 'llmsched[EXTRA]'``; importing one without it raises an
+``ImportError`` naming the extra): ``llmsched.integrations`` (``integrations``: KV-event
+subscriber, metrics scraper), ``llmsched.tokenize`` (``tokenize``), ``llmsched.gateway``
+(``gateway``: ``llmsched serve``), ``llmsched.cluster`` (``cluster``), ``llmsched.executor``
+(``executor``), ``llmsched.testing`` and ``llmsched.reference`` (``test``); ``llmsched.sim``
+runs without one (``sim`` adds plots). The manual starts at docs/index.md, the command line
+at ``llmsched --help``.
+
 >>> import llmsched
 >>> isinstance(llmsched.__version__, str)
 True

@@ -476,7 +476,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``llmsched`` parser with every subcommand registered."""
     from llmsched import __version__
 
-    parser = _Parser(prog="llmsched", description=__doc__.splitlines()[0])
+    parser = _Parser(
+        prog="llmsched",
+        description=(
+            "Where and when an LLM request runs: simulate routing policies on simulated "
+            "replicas, fit the simulator to an engine, or serve an OpenAI-compatible gateway "
+            "in front of vLLM / SGLang engines."
+        ),
+        epilog="`llmsched COMMAND --help` describes each command.",
+    )
     parser.add_argument("--version", action="version", version=f"llmsched {__version__}")
     subparsers = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_Parser

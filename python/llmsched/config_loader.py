@@ -216,15 +216,41 @@ def parse_document(
 
 
 def _yaml_reason(exc: Any, *, secret: bool) -> str:
-    """A YAML error on one line; with ``secret``, without the snippet of the text PyYAML's
-    message quotes (the line of a key, in a keys file)."""
-    if not secret:
-        return " ".join(str(exc).split())
+    r"""A YAML error on one line: the problem at its line and column, the text of that line
+    (unless ``secret``: the line of a key, in a keys file), then what the parser was in the
+    middle of and where that began. PyYAML's own message spreads this over several lines,
+    names the text ``"<unicode string>"`` and marks the column with a caret that one line
+    cannot show.
+
+    >>> import yaml
+    >>> try:
+    ...     yaml.safe_load("replicas: 4\nworkload: {sessions: 20, turns: 3\n  seed: 1\n")
+    ... except yaml.YAMLError as exc:
+    ...     print(_yaml_reason(exc, secret=False))  # doctest: +NORMALIZE_WHITESPACE
+    expected ',' or '}', but got ':' at line 3, column 7: '  seed: 1'
+    (while parsing a flow mapping that begins at line 2, column 11)
+    """
     mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or "not valid YAML"
-    if mark is None:
-        return str(problem)
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    problem = getattr(exc, "problem", None)
+    if mark is None or problem is None:
+        return " ".join(str(exc).split()) if not secret else str(problem or "not valid YAML")
+    reason = f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    if not secret and mark.buffer is not None and mark.pointer is not None:
+        # The line around the mark, as PyYAML breaks lines (its own snippet does the same).
+        buffer, breaks = mark.buffer, "\0\r\n\x85\u2028\u2029"
+        start = mark.pointer
+        while start > 0 and buffer[start - 1] not in breaks:
+            start -= 1
+        end = mark.pointer
+        while end < len(buffer) and buffer[end] not in breaks:
+            end += 1
+        if buffer[start:end].strip():
+            reason += f": {buffer[start:end].rstrip()[:80]!r}"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and context_mark is not None:
+        at = f"line {context_mark.line + 1}, column {context_mark.column + 1}"
+        reason += f" ({context} that begins at {at})"
+    return reason
 
 
 def _shape_problem(value: Any, *, secret: bool = False) -> str | None:

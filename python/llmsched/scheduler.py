@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, SupportsIndex
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
@@ -102,6 +102,7 @@ from llmsched.validation import (
     describe_int,
     is_bool,
     is_finite_number,
+    normal_address,
 )
 
 if TYPE_CHECKING:
@@ -1164,8 +1165,6 @@ class Scheduler:
 
     def _enter_place(self, key: EndpointId) -> None:
         """Files engine ``key`` under its (address, rank)."""
-        from llmsched.integrations.identity import normal_address
-
         engine = self._engines[key]
         if not engine.endpoint.address:
             return
@@ -1922,6 +1921,17 @@ class _Scheduling:
     ) -> None:
         if self._placement is not None:
             self._placement.end_for(exc_type)
+
+    def __enter__(self) -> NoReturn:
+        # ``with`` where ``async with`` belongs: Python 3.10 said only "AttributeError: __enter__".
+        raise InvalidTypeError(
+            "Scheduler.schedule() is entered with `async with scheduler.schedule(request) as "
+            "placement:`; code without an event loop uses `with "
+            "scheduler.schedule_sync(request) as placement:`"
+        )
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Never reached: :meth:`__enter__` raises."""
 
 
 def _also_eligible(decision: Decision, considered: list[EndpointId]) -> list[EndpointId]:

@@ -34,6 +34,7 @@ llmsched.errors.InvalidValueError: now must be a finite number of seconds >= 0, 
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -70,6 +71,7 @@ __all__ = [
     "is_bool",
     "is_finite_number",
     "is_utf8_text",
+    "normal_address",
     "refuse_json_constant",
 ]
 
@@ -529,3 +531,29 @@ def refuse_json_constant(name: str) -> NoReturn:
     JSON (the native data plane and the engines refuse them); raises ``ValueError`` naming
     the literal, as for any text that is not JSON."""
     raise ValueError(f"{name} is not JSON")
+
+
+def normal_address(address: str) -> str:
+    """``host:port`` of an endpoint address given with or without scheme and trailing slash,
+    in one spelling per address: an IP literal in its short form (``[0:0::1]`` is ``[::1]``),
+    a host name in lower case (DNS names are case-insensitive). Two spellings of one address
+    once made a second endpoint for an engine the pool already had. (Here, not in
+    ``llmsched.integrations``, so that the core's :class:`~llmsched.Scheduler` can file engines
+    by address without that extra.)
+
+    >>> normal_address("http://[0:0:0:0:0:0:0:1]:8000/"), normal_address("Engine-A:80")
+    ('[::1]:8000', 'engine-a:80')
+    """
+    for scheme in ("http://", "https://"):
+        address = address.removeprefix(scheme)
+    address = address.rstrip("/")
+    host, colon, port = address.rpartition(":")
+    if not colon:
+        return address.lower()
+    try:
+        ip = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return address.lower()
+    host = ip.compressed
+    # IPv6 literals are bracketed so that "host:port" stays unambiguous.
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

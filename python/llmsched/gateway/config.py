@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import reprlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1098,13 +1099,25 @@ def _bool(raw: Mapping[str, Any], key: str, default: bool, prefix: str) -> bool:
     return value
 
 
+_ENGINE_FORM = "{host: 127.0.0.1, port: 8001} (docs/config-keys.md, `engines` entries)"
+"""The shape of one ``engines`` entry, quoted when an entry has another."""
+
+
 def _engines(value: Any) -> tuple[EngineSpec, ...]:
-    if not isinstance(value, list) or not value:
+    if value is not None and not isinstance(value, list):
+        raise ConfigError(
+            f"engines: must be a list of engines, each a mapping such as {_ENGINE_FORM}; "
+            f"got {type(value).__name__} {reprlib.repr(value)}"
+        )
+    if not value:
         raise ConfigError("engines: must list at least one engine")
     engines = []
     for i, entry in enumerate(value):
         if not isinstance(entry, Mapping):
-            raise ConfigError(f"engines[{i}]: must be a mapping")
+            raise ConfigError(
+                f"engines[{i}]: must be a mapping such as {_ENGINE_FORM}; "
+                f"got {type(entry).__name__} {reprlib.repr(entry)}"
+            )
         try:
             engines.append(EngineSpec.from_dict(entry))
         except (ConfigError, ValueError, TypeError) as exc:

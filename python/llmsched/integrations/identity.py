@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from llmsched.errors import ConfigError, InvalidTypeError
-from llmsched.validation import is_utf8_text
+from llmsched.validation import is_utf8_text, normal_address
 
 if TYPE_CHECKING:
     from llmsched.routing import EndpointId, EndpointPool
@@ -59,6 +59,12 @@ def _host_part(host: str) -> str:
 
 
 def _check_host(host: object) -> str:
+    if isinstance(host, str) and "://" in host:
+        # A URL where a host belongs: the scheme and port have keys of their own.
+        raise ConfigError(
+            f"host must be a host name or address without a scheme, got {host!r} "
+            "(an engine at http://10.0.0.7:8000 is host: 10.0.0.7, port: 8000)"
+        )
     if not isinstance(host, str) or not host or host != host.strip() or "/" in host:
         raise ConfigError(f"host must be a non-empty host name or address, got {host!r}")
     if ":" in host:
@@ -311,28 +317,6 @@ class EngineSpec:
             if key not in d:
                 raise ConfigError(f"engine {dict(d)!r} has no {key!r}")
         return cls(**dict(d))
-
-
-def normal_address(address: str) -> str:
-    """``host:port`` of an endpoint address given with or without scheme and trailing slash,
-    in one spelling per address: an IP literal in its short form (``[0:0::1]`` is ``[::1]``),
-    a host name in lower case (DNS names are case-insensitive). Two spellings of one address
-    once made a second endpoint for an engine the pool already had.
-
-    >>> normal_address("http://[0:0:0:0:0:0:0:1]:8000/"), normal_address("Engine-A:80")
-    ('[::1]:8000', 'engine-a:80')
-    """
-    for scheme in ("http://", "https://"):
-        address = address.removeprefix(scheme)
-    address = address.rstrip("/")
-    host, colon, port = address.rpartition(":")
-    if not colon:
-        return address.lower()
-    try:
-        ip = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
-    except ValueError:
-        return address.lower()
-    return f"{_host_part(ip.compressed)}:{port}"
 
 
 def resolve_engines(engines: Iterable[EngineSpec], pool: EndpointPool) -> list[EngineSpec]:
