@@ -93,6 +93,7 @@ __all__ = [
     "Router",
     "SaturationThresholds",
     "StalePolicy",
+    "TokenCheckCounts",
     "config_info",
     "load_config",
 ]
@@ -153,6 +154,11 @@ TOKEN_MISMATCH_NOTE = (
 )
 """Why a router's token prompts are flagged once none was ever confirmed by an engine's events
 (logged once, counted in :meth:`Router.stats`, in ``explain()`` from then on)."""
+
+TokenCheckCounts = tuple[int, int, int | None, int]
+"""A token-id check's counts as :meth:`Router.add_token_check` reads them: prompts confirmed,
+prompts unconfirmed, the unconfirmed count when it warned (None before), and prompts hashed as
+pseudo-tokens while engine events fed the index."""
 
 TOKEN_CHECK_MIN_TOKENS = 512
 """Prompts shorter than this are not checked: an engine caches whole blocks of its own size
@@ -624,6 +630,7 @@ class Router:
         "_reads_roles",
         "_sync",
         "_token_check",
+        "_token_checks",
         "_warnings",
     )
 
@@ -651,6 +658,7 @@ class Router:
         # could lose counts there (probe 53 F3).
         self._pseudo_lock = threading.Lock()
         self._token_check = _TokenCheck()
+        self._token_checks: list[Callable[[], TokenCheckCounts]] = []
         if not isinstance(pool, EndpointPool):
             raise InvalidTypeError(f"pool must be an EndpointPool, got {type(pool).__name__}")
         if seed is not None:
@@ -824,12 +832,35 @@ class Router:
          'token_prompts_unconfirmed': 0}
         """
         check = self._token_check
+        confirmed, unconfirmed, pseudo = check.confirmed, check.unconfirmed, self._pseudo_picks
+        for counts in self._token_checks:
+            more_confirmed, more_unconfirmed, _, more_pseudo = counts()
+            confirmed += more_confirmed
+            unconfirmed += more_unconfirmed
+            pseudo += more_pseudo
         return {
-            "pseudo_token_picks": self._pseudo_picks,
-            "config_warnings": len(self._warnings) + (check.warning is not None),
-            "token_prompts_confirmed": check.confirmed,
-            "token_prompts_unconfirmed": check.unconfirmed,
+            "pseudo_token_picks": pseudo,
+            "config_warnings": len(self._warnings) + (self.token_warning is not None),
+            "token_prompts_confirmed": confirmed,
+            "token_prompts_unconfirmed": unconfirmed,
         }
+
+    def add_token_check(self, counts: Callable[[], TokenCheckCounts]) -> None:
+        """Counts the token-id checks of a data plane that decides with this router outside
+        :meth:`pick` (``llmsched serve``'s native plane, which tokenizes and decides natively
+        and runs the same checks on its prompts) as this router's own: ``counts()`` gives its
+        confirmed and unconfirmed prompts, added to ``stats()["token_prompts_..."]``, the
+        unconfirmed count when it warned (None before), from when on :attr:`token_warning` is
+        :data:`TOKEN_MISMATCH_NOTE` with that count (unless this router warned itself), and its
+        prompts hashed as pseudo-tokens while engine events fed the index, added to
+        ``stats()["pseudo_token_picks"]``.
+
+        >>> router = Router(EndpointPool(["a"]))
+        >>> router.add_token_check(lambda: (0, 32, 32, 0))
+        >>> router.stats()["token_prompts_unconfirmed"], router.token_warning is not None
+        (32, True)
+        """
+        self._token_checks.append(counts)
 
     @property
     def config_info(self) -> ConfigInfo:
@@ -840,7 +871,7 @@ class Router:
     def warnings(self) -> list[str]:
         """The configuration's notes and the wiring it lacks, as logged when it was built, then
         :attr:`token_warning` once the router gave it."""
-        token = self._token_check.warning
+        token = self.token_warning
         return [*self._warnings] if token is None else [*self._warnings, token]
 
     @property
@@ -849,12 +880,20 @@ class Router:
         engines reported (:data:`TOKEN_MISMATCH_NOTE`, with the count of prompts checked when
         it was logged), or None while it was not given: see ``stats()["token_prompts_..."]``.
         :class:`~llmsched.Scheduler` lists it in its ``warnings``, so the gateway counts it in
-        ``llmsched_gateway_config_warnings``.
+        ``llmsched_gateway_config_warnings``. A check added by :meth:`add_token_check` (the
+        native data plane's) gives it too.
 
         >>> Router(EndpointPool(["a"])).token_warning is None
         True
         """
-        return self._token_check.warning
+        own = self._token_check.warning
+        if own is not None:
+            return own
+        for counts in self._token_checks:
+            warned_at = counts()[2]
+            if warned_at is not None:
+                return TOKEN_MISMATCH_NOTE.format(unconfirmed=warned_at)
+        return None
 
     @property
     def reads_roles(self) -> bool:
