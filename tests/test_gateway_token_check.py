@@ -55,5 +55,10 @@ def test_token_prompts_are_checked_and_text_prompts_counted_on_both_planes(
             assert r.gateway.router.token_warning is None
             await until(lambda: len(pseudo_warnings()) == 1)
             assert pseudo_warnings()[0].name == "llmsched"
+            # Listed with the other notes, and counted in the gateway's metric.
+            assert r.gateway.router.pseudo_token_warning == PSEUDO_TOKEN_NOTE
+            assert PSEUDO_TOKEN_NOTE in r.gateway.scheduler.warnings
+            warnings = len(r.gateway.scheduler.warnings)
+            assert r.metric("llmsched_gateway_config_warnings") == warnings > 0
 
     run(body())

@@ -141,7 +141,8 @@ PSEUDO_TOKEN_NOTE = (
     "by engine KV events (real token ids), so no cached prefix can match; tokenize with "
     "llmsched.tokenize and pick(tokens=...), or pass Router(allow_pseudo_tokens=True)"
 )
-"""Why a text pick on an index fed by engine events is flagged (logged once, in explain())."""
+"""Why a text pick on an index fed by engine events is flagged (logged once, in explain(), and
+:attr:`Router.pseudo_token_warning` from then on)."""
 
 TOKEN_MISMATCH_NOTE = (
     "none of the prompts routed with tokens= was ever found in an engine's reported cache "
@@ -818,7 +819,7 @@ class Router:
         events (see ``allow_pseudo_tokens``); they cannot match the engines' cached prefixes.
         ``config_warnings``: how many notes :attr:`warnings` lists (the configuration's:
         settings without effect, a scorer that can never change a decision, wiring the caller
-        lacks; and :attr:`token_warning` once given).
+        lacks; :attr:`pseudo_token_warning` and :attr:`token_warning` once given).
         ``token_prompts_confirmed`` / ``token_prompts_unconfirmed``: of the token prompts
         sampled on an index fed by engine events (one a second at most, of 512 tokens or more),
         those whose first block an engine reported within 60 s of the pick, and those it did
@@ -838,9 +839,10 @@ class Router:
             confirmed += more_confirmed
             unconfirmed += more_unconfirmed
             pseudo += more_pseudo
+        notes = len(self._warnings) + (pseudo > 0) + (self.token_warning is not None)
         return {
             "pseudo_token_picks": pseudo,
-            "config_warnings": len(self._warnings) + (self.token_warning is not None),
+            "config_warnings": notes,
             "token_prompts_confirmed": confirmed,
             "token_prompts_unconfirmed": unconfirmed,
         }
@@ -870,9 +872,25 @@ class Router:
     @property
     def warnings(self) -> list[str]:
         """The configuration's notes and the wiring it lacks, as logged when it was built, then
-        :attr:`token_warning` once the router gave it."""
-        token = self.token_warning
-        return [*self._warnings] if token is None else [*self._warnings, token]
+        :attr:`pseudo_token_warning` and :attr:`token_warning` once the router gave them."""
+        given = (self.pseudo_token_warning, self.token_warning)
+        return [*self._warnings, *(note for note in given if note is not None)]
+
+    @property
+    def pseudo_token_warning(self) -> str | None:
+        """:data:`PSEUDO_TOKEN_NOTE` once a text or chat prompt was hashed as pseudo-tokens
+        while the index was fed by engine events (``stats()["pseudo_token_picks"]`` above 0;
+        logged then and noted in that decision's ``explain()``), else None. Listed in
+        :attr:`warnings` and counted in ``stats()["config_warnings"]``;
+        :class:`~llmsched.Scheduler` lists it in its ``warnings``, so the gateway counts it in
+        ``llmsched_gateway_config_warnings``. A router built with ``allow_pseudo_tokens=True``
+        never gives it.
+
+        >>> Router(EndpointPool(["a"])).pseudo_token_warning is None
+        True
+        """
+        pseudo = self._pseudo_picks + sum(counts()[3] for counts in self._token_checks)
+        return PSEUDO_TOKEN_NOTE if pseudo > 0 else None
 
     @property
     def token_warning(self) -> str | None:
