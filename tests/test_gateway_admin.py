@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import codecs
+import json
+
 import pytest
 from _gateway_harness import MODEL, plane, rig, run  # noqa: F401 (the fixture)
 from yarl import URL
@@ -125,5 +128,42 @@ def test_admin_paths_with_escapes_are_served_as_decoded() -> None:
                 assert response.status == 200, await response.text()
             async with r.client.get(listing) as response:  # the token is still needed
                 assert response.status == 401
+
+    run(body())
+
+
+def test_an_admin_body_is_read_as_a_request_body_is() -> None:
+    """An engine entry with a UTF-8 byte order mark is taken, its BOM dropped; one in UTF-16 or
+    UTF-32 is a 400 naming the encoding, as a request body is. The Python plane took a UTF-16
+    entry (``json.loads`` of bytes transcodes it) and the native plane refused a BOM's entry
+    ("Unexpected UTF-8 BOM") and called a UTF-16 one "not UTF-8"."""
+
+    async def body() -> None:
+        admin = {"token": TOKEN}
+        async with FakeOpenAIEngine(model=MODEL) as extra, rig(engines=1, admin=admin) as r:
+            entry = json.dumps(extra.spec())
+            headers = {**AUTH, "Content-Type": "application/json"}
+            for encoding in ("utf-16", "utf-16-le", "utf-32", "utf-32-be"):
+                async with r.client.post(
+                    r.url("/admin/engines"), data=entry.encode(encoding), headers=headers
+                ) as response:
+                    assert response.status == 400, encoding
+                    name = encoding[:6].upper()
+                    assert (await response.json())["error"]["message"] == (
+                        f"not an engine entry: the body is not valid JSON: it is encoded as "
+                        f"{name} (send UTF-8)"
+                    )
+            async with r.client.post(
+                r.url("/admin/engines"), data=b"\xff" + entry.encode(), headers=headers
+            ) as response:
+                assert response.status == 400
+                message = (await response.json())["error"]["message"]
+                assert message == "not an engine entry: the body is not UTF-8"
+            assert len(r.gateway.engines) == 1
+            async with r.client.post(
+                r.url("/admin/engines"), data=codecs.BOM_UTF8 + entry.encode(), headers=headers
+            ) as response:
+                assert response.status == 201, await response.text()
+            assert len(r.gateway.engines) == 2
 
     run(body())

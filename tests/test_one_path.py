@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import llmsched
-from llmsched import Endpoint, EndpointPool, PrefixIndex, Router
+from llmsched import Endpoint, EndpointPool, PrefixIndex, Router, Scheduler
 from llmsched.errors import ConfigError
 from llmsched.integrations import EngineSpec, KVEventSubscriber, MetricsScraper, resolve_engines
-from llmsched.routing import render_messages
+from llmsched.routing import PSEUDO_TOKEN_NOTE, render_messages
 from llmsched.testing import FakeHTTPEngine, FakeKVPublisher, event_batch, stored_event
 
 TEXT = "You are a terse assistant. Answer in one line. Ünïcödé ✓ " * 12
@@ -134,6 +134,32 @@ def test_pseudo_tokens_opt_in_and_router_fed_index_stay_quiet(
     assert not [r for r in caplog.records if r.name == "llmsched"]
     with pytest.raises(TypeError, match="allow_pseudo_tokens"):
         Router(EndpointPool(["a"]), allow_pseudo_tokens=1)  # type: ignore[arg-type]
+
+
+def test_the_pseudo_token_note_is_listed_with_the_other_notes() -> None:
+    """The note was logged, counted in ``pseudo_token_picks`` and put in ``explain()``, but
+    listed in no ``warnings`` and counted in no ``config_warnings``: a gateway without a
+    tokenizer in front of engines publishing KV events showed
+    ``llmsched_gateway_config_warnings 0``."""
+    scheduler = Scheduler(["a", "b"], router="prefix-only", block_size=4)
+    router = scheduler.router
+    tokens = list(range(1, 9))
+    scheduler.index.apply_vllm_events("a", event_batch(stored_event([11, 12], None, tokens, 4)))
+    before, count = scheduler.warnings, scheduler.stats()["config_warnings"]
+    assert router.pseudo_token_warning is None
+    assert PSEUDO_TOKEN_NOTE not in router.warnings
+    router.pick(tokens=tokens, now=0.0)  # token picks are not flagged
+    assert router.pseudo_token_warning is None
+    router.pick(text=TEXT, now=0.0)
+    router.pick(messages=MESSAGES, now=0.0)
+    assert router.pseudo_token_warning == PSEUDO_TOKEN_NOTE
+    assert router.warnings.count(PSEUDO_TOKEN_NOTE) == 1
+    assert router.stats()["config_warnings"] == len(router.warnings)
+    assert scheduler.warnings == [*before, PSEUDO_TOKEN_NOTE]
+    assert scheduler.stats()["config_warnings"] == count + 1
+    opted = Router(EndpointPool(["a"]), engine_fed_index(), allow_pseudo_tokens=True)
+    opted.pick(text=TEXT, now=0.0)
+    assert opted.pseudo_token_warning is None and opted.warnings == []
 
 
 # --- block-size mismatch --------------------------------------------------------------------

@@ -1122,6 +1122,7 @@ class NativeGateway:
         extra_metrics: Callable[[], str] | None = None,
         engines: Callable[[str, str], tuple[int, str]] | None = None,
         block_size: Callable[[str, int], None] | None = None,
+        token_warning: Callable[[str, int], None] | None = None,
     ) -> NativeGateway:
         """Starts serving on `host:port` (0: any free port) with `config` (the JSON of the
         native gateway config), routing with `router` (an `llmsched.Router` or its native
@@ -1129,8 +1130,12 @@ class NativeGateway:
         with the GIL on each scrape of it); `engines(action, argument)` adds or removes an
         engine for the admin API (`"add"` with the request body, `"remove"` with the worker id)
         and returns the status and JSON body to answer; `block_size(worker, size)` is told
-        the KV block size an engine's `/metrics` gives (first seen, or changed). Raises
-        ConfigError naming the problem."""
+        the KV block size an engine's `/metrics` gives (first seen, or changed);
+        `token_warning(kind, count)` is called once with `("pseudo", 1)` at the first prompt
+        hashed as pseudo-tokens while engine events feed the index, and once with
+        `("mismatch", unconfirmed)` when the token ids it routes on were never found among the
+        blocks the engines' KV events report (see `token_check()`). Raises ConfigError naming
+        the problem."""
     @property
     def host(self) -> str:
         """The address listened on."""
@@ -1142,6 +1147,11 @@ class NativeGateway:
         """Whether it serves."""
     def stop(self) -> None:
         """Stops listening, closes every connection and joins the runtime thread."""
+    def token_check(self) -> tuple[int, int, int | None, int]:
+        """The check that the token ids it routes on reach the engines' KV events: prompts
+        sampled that an engine reported, those it did not while events kept arriving, the
+        unconfirmed count when it warned (None before), and prompts hashed as pseudo-tokens
+        while engine events fed the index (also after `stop()`)."""
     def set_engines(
         self, engines: list[tuple[str, str]], changes: int | None = None
     ) -> tuple[list[str], list[str]]:

@@ -95,6 +95,7 @@ __all__ = [
     "Router",
     "SaturationThresholds",
     "StalePolicy",
+    "TokenCheckCounts",
     "config_info",
     "load_config",
 ]
@@ -142,7 +143,8 @@ PSEUDO_TOKEN_NOTE = (
     "by engine KV events (real token ids), so no cached prefix can match; tokenize with "
     "llmsched.tokenize and pick(tokens=...), or pass Router(allow_pseudo_tokens=True)"
 )
-"""Why a text pick on an index fed by engine events is flagged (logged once, in explain())."""
+"""Why a text pick on an index fed by engine events is flagged (logged once, in explain(), and
+:attr:`Router.pseudo_token_warning` from then on)."""
 
 TOKEN_MISMATCH_NOTE = (
     "none of the prompts routed with tokens= was ever found in an engine's reported cache "
@@ -155,6 +157,11 @@ TOKEN_MISMATCH_NOTE = (
 )
 """Why a router's token prompts are flagged once none was ever confirmed by an engine's events
 (logged once, counted in :meth:`Router.stats`, in ``explain()`` from then on)."""
+
+TokenCheckCounts = tuple[int, int, int | None, int]
+"""A token-id check's counts as :meth:`Router.add_token_check` reads them: prompts confirmed,
+prompts unconfirmed, the unconfirmed count when it warned (None before), and prompts hashed as
+pseudo-tokens while engine events fed the index."""
 
 TOKEN_CHECK_MIN_TOKENS = 512
 """Prompts shorter than this are not checked: an engine caches whole blocks of its own size
@@ -656,6 +663,7 @@ class Router:
         "_reads_roles",
         "_sync",
         "_token_check",
+        "_token_checks",
         "_warnings",
     )
 
@@ -683,6 +691,7 @@ class Router:
         # could lose counts there (probe 53 F3).
         self._pseudo_lock = threading.Lock()
         self._token_check = _TokenCheck()
+        self._token_checks: list[Callable[[], TokenCheckCounts]] = []
         if not isinstance(pool, EndpointPool):
             raise InvalidTypeError(f"pool must be an EndpointPool, got {type(pool).__name__}")
         if seed is not None:
@@ -844,7 +853,7 @@ class Router:
         events (see ``allow_pseudo_tokens``); they cannot match the engines' cached prefixes.
         ``config_warnings``: how many notes :attr:`warnings` lists (the configuration's:
         settings without effect, a scorer that can never change a decision, wiring the caller
-        lacks; and :attr:`token_warning` once given).
+        lacks; :attr:`pseudo_token_warning` and :attr:`token_warning` once given).
         ``token_prompts_confirmed`` / ``token_prompts_unconfirmed``: of the token prompts
         sampled on an index fed by engine events (one a second at most, of 512 tokens or more),
         those whose first block an engine reported within 60 s of the pick, and those it did
@@ -858,12 +867,36 @@ class Router:
          'token_prompts_unconfirmed': 0}
         """
         check = self._token_check
+        confirmed, unconfirmed, pseudo = check.confirmed, check.unconfirmed, self._pseudo_picks
+        for counts in self._token_checks:
+            more_confirmed, more_unconfirmed, _, more_pseudo = counts()
+            confirmed += more_confirmed
+            unconfirmed += more_unconfirmed
+            pseudo += more_pseudo
+        notes = len(self._warnings) + (pseudo > 0) + (self.token_warning is not None)
         return {
-            "pseudo_token_picks": self._pseudo_picks,
-            "config_warnings": len(self._warnings) + (check.warning is not None),
-            "token_prompts_confirmed": check.confirmed,
-            "token_prompts_unconfirmed": check.unconfirmed,
+            "pseudo_token_picks": pseudo,
+            "config_warnings": notes,
+            "token_prompts_confirmed": confirmed,
+            "token_prompts_unconfirmed": unconfirmed,
         }
+
+    def add_token_check(self, counts: Callable[[], TokenCheckCounts]) -> None:
+        """Counts the token-id checks of a data plane that decides with this router outside
+        :meth:`pick` (``llmsched serve``'s native plane, which tokenizes and decides natively
+        and runs the same checks on its prompts) as this router's own: ``counts()`` gives its
+        confirmed and unconfirmed prompts, added to ``stats()["token_prompts_..."]``, the
+        unconfirmed count when it warned (None before), from when on :attr:`token_warning` is
+        :data:`TOKEN_MISMATCH_NOTE` with that count (unless this router warned itself), and its
+        prompts hashed as pseudo-tokens while engine events fed the index, added to
+        ``stats()["pseudo_token_picks"]``.
+
+        >>> router = Router(EndpointPool(["a"]))
+        >>> router.add_token_check(lambda: (0, 32, 32, 0))
+        >>> router.stats()["token_prompts_unconfirmed"], router.token_warning is not None
+        (32, True)
+        """
+        self._token_checks.append(counts)
 
     @property
     def config_info(self) -> ConfigInfo:
@@ -873,9 +906,25 @@ class Router:
     @property
     def warnings(self) -> list[str]:
         """The configuration's notes and the wiring it lacks, as logged when it was built, then
-        :attr:`token_warning` once the router gave it."""
-        token = self._token_check.warning
-        return [*self._warnings] if token is None else [*self._warnings, token]
+        :attr:`pseudo_token_warning` and :attr:`token_warning` once the router gave them."""
+        given = (self.pseudo_token_warning, self.token_warning)
+        return [*self._warnings, *(note for note in given if note is not None)]
+
+    @property
+    def pseudo_token_warning(self) -> str | None:
+        """:data:`PSEUDO_TOKEN_NOTE` once a text or chat prompt was hashed as pseudo-tokens
+        while the index was fed by engine events (``stats()["pseudo_token_picks"]`` above 0;
+        logged then and noted in that decision's ``explain()``), else None. Listed in
+        :attr:`warnings` and counted in ``stats()["config_warnings"]``;
+        :class:`~llmsched.Scheduler` lists it in its ``warnings``, so the gateway counts it in
+        ``llmsched_gateway_config_warnings``. A router built with ``allow_pseudo_tokens=True``
+        never gives it.
+
+        >>> Router(EndpointPool(["a"])).pseudo_token_warning is None
+        True
+        """
+        pseudo = self._pseudo_picks + sum(counts()[3] for counts in self._token_checks)
+        return PSEUDO_TOKEN_NOTE if pseudo > 0 else None
 
     @property
     def token_warning(self) -> str | None:
@@ -883,12 +932,20 @@ class Router:
         engines reported (:data:`TOKEN_MISMATCH_NOTE`, with the count of prompts checked when
         it was logged), or None while it was not given: see ``stats()["token_prompts_..."]``.
         :class:`~llmsched.Scheduler` lists it in its ``warnings``, so the gateway counts it in
-        ``llmsched_gateway_config_warnings``.
+        ``llmsched_gateway_config_warnings``. A check added by :meth:`add_token_check` (the
+        native data plane's) gives it too.
 
         >>> Router(EndpointPool(["a"])).token_warning is None
         True
         """
-        return self._token_check.warning
+        own = self._token_check.warning
+        if own is not None:
+            return own
+        for counts in self._token_checks:
+            warned_at = counts()[2]
+            if warned_at is not None:
+                return TOKEN_MISMATCH_NOTE.format(unconfirmed=warned_at)
+        return None
 
     @property
     def reads_roles(self) -> bool:

@@ -1725,7 +1725,9 @@ class Scheduler:
         scheduler's own), one for each scheduled engine whose KV events the index skipped
         because their block size is not a multiple of the index's (``index.stats()
         ["block_size_mismatch"]``; the index logs that once per engine), and the router's
-        :attr:`~llmsched.Router.token_warning` once given (the token ids picks were given
+        :attr:`~llmsched.Router.pseudo_token_warning` and
+        :attr:`~llmsched.Router.token_warning` once given (text prompts hashed as
+        pseudo-tokens on an index fed by engine events; token ids the picks were given that
         never matched a block the engines reported).
 
         >>> s = Scheduler(["a"], router="round-robin", block_size=16)
@@ -1737,14 +1739,14 @@ class Scheduler:
         >>> s.stats()["config_warnings"]
         1
         """
-        token = self.router.token_warning
+        given = (self.router.pseudo_token_warning, self.router.token_warning)
         with self._engines_lock:  # the notes of one engine set
             return [
                 *self._warnings,
                 *self._block_size_notes(),
                 *self._engine_block_size_notes(),
                 *self._extra_keys_notes(),
-                *(() if token is None else (token,)),
+                *(note for note in given if note is not None),
             ]
 
     def note_engine_block_size(self, worker: EndpointId, block_size: int) -> None:

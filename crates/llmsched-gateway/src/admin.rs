@@ -6,7 +6,8 @@
 //! - `GET /admin/engines`: every engine with its state (`up`, `down`, `open`, `draining`) and
 //!   requests in flight.
 //! - `POST /admin/engines` with an engine entry: adds it (201; 409 when its id is there; 400
-//!   naming the problem).
+//!   naming the problem). The body is read as a request body is: a UTF-8 byte order mark is
+//!   dropped, JSON in UTF-16 or UTF-32 is refused naming its encoding.
 //! - `POST /admin/engines/{worker}/drain`, `.../resume`: out of routing (requests in flight
 //!   finish) and back (409 when it was not draining).
 //! - `DELETE /admin/engines/{worker}`: removes it (409 for the last engine).
@@ -196,6 +197,13 @@ impl Gateway {
             }
             _ => return error(400, "not an engine entry: the body did not arrive whole"),
         };
+        // As a request body: a UTF-8 byte order mark is dropped, JSON in UTF-16 or UTF-32 is
+        // refused by its name (as the Python plane's admin API answers).
+        let body: &[u8] = body.strip_prefix(crate::payload::UTF8_BOM).unwrap_or(&body[..]);
+        if let Some(name) = crate::payload::wide_encoding(body) {
+            let problem = crate::payload::Problem::Encoding(name);
+            return error(400, format!("not an engine entry: {problem}"));
+        }
         let Ok(text) = String::from_utf8(body.to_vec()) else {
             return error(400, "not an engine entry: the body is not UTF-8");
         };

@@ -76,6 +76,7 @@ pub mod slicing;
 mod sse_scan;
 pub mod templates;
 pub mod tokcache;
+pub mod token_check;
 pub mod tokenize;
 pub mod truncation;
 pub mod usage;
@@ -429,6 +430,9 @@ struct Gateway {
     extra_metrics: Option<ExtraMetrics>,
     engines_hook: Option<admin::EnginesHook>,
     block_size_hook: Option<BlockSizeHook>,
+    token_warning_hook: Option<TokenWarningHook>,
+    /// Whether the token ids it routes on reach the engines' KV events ([`token_check`]).
+    token_check: Arc<token_check::TokenCheck>,
     /// Woken when an engine leaves routing or its scrape fails (queued requests then check
     /// whether any engine is left).
     routing_changed: tokio::sync::Notify,
@@ -513,6 +517,11 @@ pub type ExtraMetrics = Arc<dyn Fn() -> String + Send + Sync>;
 /// engine whose KV events feed the index).
 pub type BlockSizeHook = Arc<dyn Fn(&str, u32) + Send + Sync>;
 
+/// Called, on a blocking thread, once with each warning of [`token_check`] (the first prompt
+/// hashed as pseudo-tokens while engine events feed the index; the ids the gateway routes on
+/// never found in the engines' reported cache): the embedder gives the warning.
+pub type TokenWarningHook = Arc<dyn Fn(token_check::TokenNote) + Send + Sync>;
+
 /// What an embedding program (`llmsched serve`) lends the gateway: none is on the request
 /// path.
 #[derive(Clone, Default)]
@@ -523,6 +532,8 @@ pub struct Hooks {
     pub block_size: Option<BlockSizeHook>,
     /// Adds and removes engines for the admin API (the embedder owns the engine set).
     pub engines: Option<admin::EnginesHook>,
+    /// Gives the warning of [`token_check`] (without it, the gateway prints it on stderr).
+    pub token_warning: Option<TokenWarningHook>,
 }
 
 /// A listening gateway on the caller's runtime.
@@ -797,6 +808,8 @@ fn build(
         extra_metrics: hooks.extra_metrics,
         engines_hook: hooks.engines,
         block_size_hook: hooks.block_size,
+        token_warning_hook: hooks.token_warning,
+        token_check: Arc::default(),
         routing_changed: tokio::sync::Notify::new(),
         suspect: tokio::sync::Notify::new(),
         cuts: Arc::new(CutReports::default()),
@@ -994,6 +1007,14 @@ impl Running {
     /// The counters.
     pub fn counters(&self) -> &Arc<Counters> {
         &self.gateway.counters
+    }
+
+    /// The check that the token ids it routes on reach the engines' KV events
+    /// ([`token_check`]), whose counts may be read from any thread, also after `stop()` (and
+    /// from the embedder's metrics hook, which runs while [`Running::metrics_text`] is
+    /// borrowed).
+    pub fn token_check(&self) -> Arc<token_check::TokenCheck> {
+        self.gateway.token_check.clone()
     }
 
     /// Replaces the engines (base URLs); returns the ids added and removed. Kept engines keep
@@ -1686,6 +1707,37 @@ impl Gateway {
         engines: &[EngineEntry],
     ) -> Result<(Vec<String>, Vec<String>), ConfigProblem> {
         self.replace_engines(engines, ChangeCount::Own)
+    }
+
+    /// Runs [`token_check`] on a prompt of token ids picked at `now` (called at most once a
+    /// second); gives its warning once, through the embedder's hook or on stderr.
+    fn check_tokens(&self, tokens: &[u32], meta: &RequestMeta, now: f64) {
+        let index = self.router().index();
+        let lora = meta.lora.as_deref();
+        let Some(unconfirmed) =
+            self.token_check.step(index, tokens, lora, meta.cache_salt.as_deref(), now)
+        else {
+            return;
+        };
+        self.token_warning(token_check::TokenNote::Mismatch(unconfirmed));
+    }
+
+    /// Counts a prompt hashed as pseudo-tokens while engine events feed the index (they can
+    /// match no block an engine reports); the first gives the warning.
+    fn count_pseudo(&self) {
+        if self.token_check.pseudo_pick(self.router().index()) {
+            self.token_warning(token_check::TokenNote::Pseudo);
+        }
+    }
+
+    /// Gives `note` through the embedder's hook (on a blocking thread) or on stderr.
+    fn token_warning(&self, note: token_check::TokenNote) {
+        match self.token_warning_hook.clone() {
+            Some(hook) => {
+                tokio::task::spawn_blocking(move || hook(note));
+            }
+            None => eprintln!("llmsched-gateway: router: {}", note.text()),
+        }
     }
 
     /// [`Gateway::set_engines`]; `count`: how the changes go to `engine_changes`.
@@ -2448,7 +2500,7 @@ impl Gateway {
         } else {
             self.request_prompt(&payload, &raw, route)?
         };
-        let Prompt { tokens, ids, size: prompt_size, previous } = prompt;
+        let Prompt { tokens, ids, size: prompt_size, previous, kind } = prompt;
         let sse = payload.stream();
         let limiter = limited(&identity, prompt_size as u64)?;
         // Made only for a refusal that sends it.
@@ -2562,6 +2614,13 @@ impl Gateway {
         let before = monotonic();
         let decided = self.decide(&tokens, ids, &meta, before);
         self.counters.histograms.decision.observe(monotonic() - before);
+        match kind {
+            IdKind::TokenIds if self.token_check.due(before) => {
+                self.check_tokens(&tokens, &meta, before)
+            }
+            IdKind::Pseudo => self.count_pseudo(),
+            _ => {}
+        }
         let decision = match decided {
             Ok(decision) => decision,
             Err(RoutingError::NoEndpoint { .. }) => {
@@ -2886,11 +2945,24 @@ impl Gateway {
             // refused there).
             if let Some(text) = payload.str("prompt").filter(|text| !text.is_empty()) {
                 let size = packed_len(text.len());
-                return Ok(Prompt { tokens: Vec::new(), size, ids: size, previous: None });
+                return Ok(Prompt {
+                    tokens: Vec::new(),
+                    size,
+                    ids: size,
+                    previous: None,
+                    kind: IdKind::Pseudo,
+                });
             }
         }
         let tokens = self.prompt_tokens(payload, chat)?;
-        Ok(Prompt { size: tokens.len(), ids: tokens.len(), tokens, previous: None })
+        let kind = if self.tokenizer.is_some() || (!chat && gives_token_ids(payload)) {
+            IdKind::TokenIds
+        } else if tokens.is_empty() {
+            IdKind::Unhashed // embeddings only
+        } else {
+            IdKind::Pseudo
+        };
+        Ok(Prompt { size: tokens.len(), ids: tokens.len(), tokens, previous: None, kind })
     }
 
     /// The prompt of a `POST /v1/responses` request: the chat request vLLM makes of it
@@ -2908,7 +2980,7 @@ impl Gateway {
     fn responses_prompt(&self, payload: &Payload<'_>, raw: &[u8]) -> Result<Prompt, Refusal> {
         let unhashed = |size: usize| {
             self.counters.responses_unhashed.fetch_add(1, Ordering::Relaxed);
-            Ok(Prompt { tokens: Vec::new(), ids: 0, size, previous: None })
+            Ok(Prompt { tokens: Vec::new(), ids: 0, size, previous: None, kind: IdKind::Unhashed })
         };
         let previous = match payload.raw("previous_response_id") {
             None => None,
@@ -2931,19 +3003,32 @@ impl Gateway {
             None => raw.len() / 4,
         };
         if previous.is_some() {
-            return Ok(Prompt { tokens: Vec::new(), ids: 0, size, previous });
+            return Ok(Prompt {
+                tokens: Vec::new(),
+                ids: 0,
+                size,
+                previous,
+                kind: IdKind::Unhashed,
+            });
         }
         let Some(body) = body else { return unhashed(size) };
         let Some(chat) = responses::chat_request_of(&body) else { return unhashed(size) };
         if chat["messages"].as_array().is_none_or(Vec::is_empty) {
             // Nothing to hash (and nothing vLLM would render but a generation prompt).
-            return Ok(Prompt { tokens: Vec::new(), ids: 0, size: 0, previous: None });
+            return Ok(Prompt {
+                tokens: Vec::new(),
+                ids: 0,
+                size: 0,
+                previous: None,
+                kind: IdKind::Unhashed,
+            });
         }
         let Ok(text) = serde_json::to_vec(&chat) else { return unhashed(size) };
         let Ok(payload) = Payload::parse(&text) else { return unhashed(size) };
         match self.prompt_tokens(&payload, true) {
             Ok(tokens) => {
-                Ok(Prompt { size: tokens.len(), ids: tokens.len(), tokens, previous: None })
+                let kind = if self.tokenizer.is_some() { IdKind::TokenIds } else { IdKind::Pseudo };
+                Ok(Prompt { size: tokens.len(), ids: tokens.len(), tokens, previous: None, kind })
             }
             Err(_) => unhashed(size),
         }
@@ -3379,6 +3464,21 @@ struct Prompt {
     size: usize,
     /// A responses request's `previous_response_id`.
     previous: Option<String>,
+    /// What its ids are, for [`token_check`].
+    kind: IdKind,
+}
+
+/// What a prompt's ids are, for the checks of [`token_check`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum IdKind {
+    /// Token ids as the engine caches them (the tokenizer's, or a prompt given as ids):
+    /// sampled by the check.
+    TokenIds,
+    /// Text hashed as pseudo-tokens (no tokenizer): counted, as the router counts its text
+    /// picks.
+    Pseudo,
+    /// Not hashed (embeddings, a continued response).
+    Unhashed,
 }
 
 /// The search for a Responses stream's id ([`responses::IdScan`]), recorded as `engine`'s
@@ -3491,6 +3591,17 @@ fn prompt_tokens(
             Ok(ids)
         }
         _ => Err(BAD_PROMPT),
+    }
+}
+
+/// Whether a completions request's `prompt` is token ids (`[1, 2]`, or a batch whose first
+/// prompt is a list of ids): the router takes them as given, the ids the engine caches.
+fn gives_token_ids(payload: &Payload<'_>) -> bool {
+    let Some(raw) = payload.raw("prompt") else { return false };
+    let ids = |text: &str| text.trim_start().starts_with(|c: char| c.is_ascii_digit());
+    match raw.get().trim_start().strip_prefix('[') {
+        Some(items) => ids(items) || items.trim_start().strip_prefix('[').is_some_and(ids),
+        None => false,
     }
 }
 

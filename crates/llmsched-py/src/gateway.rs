@@ -10,10 +10,12 @@ use llmsched_core::routing::Router;
 use llmsched_gateway::admin::EnginesHook;
 use llmsched_gateway::conversation::ContentFormat;
 use llmsched_gateway::tokcache::{CacheStats, DEFAULT_CAPACITY};
+use llmsched_gateway::token_check::{TokenCheck, TokenNote};
 use llmsched_gateway::tokenize::{PromptProblem, PromptTokenizer};
 use llmsched_gateway::truncation::Truncation;
 use llmsched_gateway::{
     BlockSizeHook, EngineEntry, ExtraMetrics, GatewayConfig, Hooks, RouterSource, Running,
+    TokenWarningHook,
 };
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -39,6 +41,9 @@ impl RouterSource for SharedRouter {
 #[pyclass(frozen, module = "llmsched._llmsched", name = "NativeGateway")]
 pub struct PyNativeGateway {
     running: Mutex<Option<Running>>,
+    /// Read without `running`'s lock: `extra_metrics`, called while `metrics_text` holds it,
+    /// reads the router's stats, which read this.
+    token_check: Arc<TokenCheck>,
     host: String,
     port: u16,
 }
@@ -58,10 +63,15 @@ impl PyNativeGateway {
     /// answer (called, with the GIL, on a blocking thread, per such admin call only);
     /// `block_size(worker, size)` is told the KV block size an engine's `/metrics` gives, on
     /// the first scrape that gives one and when it changes (with the GIL, on a blocking
-    /// thread). Raises ConfigError naming the problem.
+    /// thread); `token_warning(kind, count)` is called (with the GIL, on a blocking thread)
+    /// once with `("pseudo", 1)` at the first prompt hashed as pseudo-tokens while engine
+    /// events feed the index, and once with `("mismatch", unconfirmed)` when the token ids the
+    /// gateway routes on were never found among the blocks the engines' KV events report (see
+    /// `token_check()`). Raises ConfigError naming the problem.
     #[new]
     #[pyo3(signature = (
-        config, host, port, router=None, extra_metrics=None, engines=None, block_size=None
+        config, host, port, router=None, extra_metrics=None, engines=None, block_size=None,
+        token_warning=None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -73,7 +83,20 @@ impl PyNativeGateway {
         extra_metrics: Option<Py<PyAny>>,
         engines: Option<Py<PyAny>>,
         block_size: Option<Py<PyAny>>,
+        token_warning: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
+        let token_warning: Option<TokenWarningHook> = token_warning.map(|callable| {
+            Arc::new(move |note: TokenNote| {
+                let (kind, count) = match note {
+                    TokenNote::Pseudo => ("pseudo", 1),
+                    TokenNote::Mismatch(unconfirmed) => ("mismatch", unconfirmed),
+                };
+                Python::attach(|py| {
+                    // A failing warning must not stop the gateway.
+                    let _ = callable.call1(py, (kind, count));
+                });
+            }) as TokenWarningHook
+        });
         let block_size: Option<BlockSizeHook> = block_size.map(|callable| {
             Arc::new(move |worker: &str, size: u32| {
                 Python::attach(|py| {
@@ -123,12 +146,24 @@ impl PyNativeGateway {
                 .map_err(|e| format!("listen.host: cannot resolve {host:?}: {e}"))?
                 .next()
                 .ok_or_else(|| format!("listen.host: {host:?} has no address"))?;
-            let hooks = Hooks { extra_metrics: extra, engines, block_size };
+            let hooks = Hooks { extra_metrics: extra, engines, block_size, token_warning };
             llmsched_gateway::spawn(addr, config, source, hooks).map_err(|e| e.to_string())
         })?;
         let running = started.map_err(ConfigError::new_err)?;
         let (host, port) = (running.addr.ip().to_string(), running.addr.port());
-        Ok(PyNativeGateway { running: Mutex::new(Some(running)), host, port })
+        let token_check = running.token_check();
+        Ok(PyNativeGateway { running: Mutex::new(Some(running)), token_check, host, port })
+    }
+
+    /// The check that the token ids the gateway routes on reach the engines' KV events:
+    /// `(confirmed, unconfirmed, warned_at, pseudo_picks)` (the prompts sampled that an engine
+    /// reported, those it did not while events kept arriving, the unconfirmed count when the
+    /// warning was given or None, and the prompts hashed as pseudo-tokens while engine events
+    /// fed the index). Also after `stop()`; never waits for the gateway (the router's stats
+    /// read it, also from `extra_metrics` while `metrics_text` runs).
+    fn token_check(&self) -> (u64, u64, Option<u64>, u64) {
+        let stats = self.token_check.stats();
+        (stats.confirmed, stats.unconfirmed, stats.warned_at, stats.pseudo_picks)
     }
 
     /// The address listened on.

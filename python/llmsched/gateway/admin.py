@@ -7,7 +7,9 @@ Without a token the routes do not exist (404).
 - ``GET /admin/engines``: every engine with its state (``up``, ``down``, ``open``,
   ``draining``) and requests in flight.
 - ``POST /admin/engines`` with an engine entry (the form of a config ``engines`` item): adds it
-  (201; 409 when its worker id is already there; 400 naming the problem otherwise).
+  (201; 409 when its worker id is already there; 400 naming the problem otherwise). The body is
+  read as a request body is: a UTF-8 byte order mark is dropped, JSON in UTF-16 or UTF-32 is
+  refused naming its encoding, on both planes.
 - ``POST /admin/engines/{worker}/drain``: no new requests go to it; requests in flight finish.
 - ``POST /admin/engines/{worker}/resume``: a drained engine takes requests again.
 - ``DELETE /admin/engines/{worker}``: removes it (from the pool, flow control and the prefix
@@ -22,6 +24,7 @@ the native data plane (``data_plane: native``) the same routes are served in Rus
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import hmac
 import json
@@ -58,7 +61,7 @@ async def add_engine(gateway: EngineSet, body: bytes | str) -> tuple[int, dict[s
     """``POST /admin/engines``: adds the engine entry in ``body`` (JSON, the form of a config
     ``engines`` item); returns the status (201, 400, 409) and the JSON body to answer."""
     try:
-        entry: Any = json.loads(body)
+        entry: Any = json.loads(_entry_text(body))
         spec = EngineSpec.from_dict(entry)
         # Checked before the set changes (the native plane's own check comes after the
         # shared pool has taken the engine).
@@ -75,6 +78,33 @@ async def add_engine(gateway: EngineSet, body: bytes | str) -> tuple[int, dict[s
     except ConfigError as exc:
         return _error_body(400, f"not an engine entry: {exc}")
     return 201, {"added": spec.worker_id}
+
+
+def _entry_text(body: bytes | str) -> str:
+    """``body`` as text, read as a request body is on both planes: a UTF-8 byte order mark
+    dropped, JSON in UTF-16 or UTF-32 (which ``json.loads`` of bytes would transcode) refused by
+    its name, as is a body that is not UTF-8 (ValueError).
+
+    >>> _entry_text(codecs.BOM_UTF8 + b'"http://h:1"')
+    '"http://h:1"'
+    >>> try:
+    ...     _entry_text('"http://h:1"'.encode("utf-16"))
+    ... except ValueError as exc:
+    ...     print(exc)
+    the body is not valid JSON: it is encoded as UTF-16 (send UTF-8)
+    """
+    if isinstance(body, str):
+        return body.removeprefix("\ufeff")
+    body = body.removeprefix(codecs.BOM_UTF8)
+    encoding = json.detect_encoding(body)
+    if encoding.startswith(("utf-16", "utf-32")):
+        raise ValueError(
+            f"the body is not valid JSON: it is encoded as {encoding[:6].upper()} (send UTF-8)"
+        )
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("the body is not UTF-8") from None
 
 
 async def remove_engine(gateway: EngineSet, worker: str) -> tuple[int, dict[str, Any]]:

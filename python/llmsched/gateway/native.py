@@ -83,6 +83,7 @@ from llmsched.gateway.metrics import (
 )
 from llmsched.gateway.pod_discovery import PodDiscovery
 from llmsched.integrations import EngineSpec
+from llmsched.routing import PSEUDO_TOKEN_NOTE, TOKEN_MISMATCH_NOTE, TokenCheckCounts
 from llmsched.scheduler import Scheduler, warn_flow_without_load
 
 if TYPE_CHECKING:
@@ -368,6 +369,10 @@ class NativeGateway:
         self.index = self.scheduler.index
         self.pool = self.scheduler.pool
         self.router = self.scheduler.router
+        # The prompts are tokenized and routed natively, outside `Router.pick`: the native
+        # plane runs the router's token-id check itself, counted as the router's own.
+        self._token_counts_past: TokenCheckCounts = (0, 0, None, 0)
+        self.router.add_token_check(self._token_counts)
         self.metrics = NativeMetrics(self)
         self.health = NativeHealthView(self)
         self.flow: NativeFlowView | None = None if cfg.flow is None else NativeFlowView(self)
@@ -445,6 +450,7 @@ class NativeGateway:
                 self._extra_metrics,
                 self._admin_engines if cfg.admin.enabled else None,
                 self.scheduler.note_engine_block_size,
+                self._token_warning,
             )
         except BaseException:
             await self.scheduler.stop()
@@ -485,9 +491,34 @@ class NativeGateway:
         if self.cluster is not None:
             await self.cluster.stop()
         if self._native is not None:
+            self._token_counts_past = self._token_counts()
             native, self._native = self._native, None
             await asyncio.get_running_loop().run_in_executor(None, native.stop)
         await self.scheduler.stop()
+
+    def _token_counts(self) -> TokenCheckCounts:
+        """The native token-id check's counts (the router's ``stats()["token_prompts_..."]``
+        and ``token_warning`` add them), summed over this gateway's runs."""
+        past = self._token_counts_past
+        native = self._native
+        if native is None:
+            return past
+        confirmed, unconfirmed, warned_at, pseudo = native.token_check()
+        return (
+            past[0] + confirmed,
+            past[1] + unconfirmed,
+            warned_at if past[2] is None else past[2],
+            past[3] + pseudo,
+        )
+
+    @staticmethod
+    def _token_warning(kind: str, count: int) -> None:
+        """A warning of the native plane's token checks (``"pseudo"``: the first prompt hashed
+        as pseudo-tokens while engine events feed the index; ``"mismatch"``: none of ``count``
+        sampled prompts found in the engines' reported cache), logged as the router logs it
+        on the Python plane."""
+        note = PSEUDO_TOKEN_NOTE if kind == "pseudo" else TOKEN_MISMATCH_NOTE
+        logging.getLogger("llmsched").warning("router: %s", note.format(unconfirmed=count))
 
     async def __aenter__(self) -> NativeGateway:
         await self.start()
