@@ -117,32 +117,38 @@ pub enum Stage {
 }
 
 /// One request's in-flight share on the endpoints it uses.
+///
+/// A request uses one endpoint, or two when split (its prefill and decode endpoints): the
+/// shares are held inline, so that a ticket allocates nothing.
 #[derive(Debug)]
 pub struct Ticket {
-    holdings: Vec<(Arc<InFlight>, Part, Share)>,
+    holdings: [Option<(Arc<InFlight>, Part, Share)>; 2],
     stage: Stage,
 }
 
 impl Ticket {
-    /// Adds the request to each endpoint's counters.
-    pub fn start(parts: Vec<(Arc<InFlight>, Part)>, prompt_tokens: u64) -> Ticket {
+    /// Adds the request to each endpoint's counters (at most two: a request's prefill and
+    /// decode endpoints; panics on more).
+    pub fn start(
+        parts: impl IntoIterator<Item = (Arc<InFlight>, Part)>,
+        prompt_tokens: u64,
+    ) -> Ticket {
         let tokens = prompt_tokens as i64;
-        let holdings = parts
-            .into_iter()
-            .map(|(counters, part)| {
-                let share = match part {
-                    Part::Whole { uncached_tokens } | Part::Prefill { uncached_tokens } => Share {
-                        requests: 1,
-                        prefill_requests: 1,
-                        prefill_tokens: uncached_tokens as i64,
-                        tokens,
-                    },
-                    Part::Decode => Share { requests: 1, tokens, ..Share::default() },
-                };
-                counters.add(&share, 1);
-                (counters, part, share)
-            })
-            .collect();
+        let mut holdings = [None, None];
+        for (i, (counters, part)) in parts.into_iter().enumerate() {
+            assert!(i < holdings.len(), "a ticket holds shares on at most two endpoints");
+            let share = match part {
+                Part::Whole { uncached_tokens } | Part::Prefill { uncached_tokens } => Share {
+                    requests: 1,
+                    prefill_requests: 1,
+                    prefill_tokens: uncached_tokens as i64,
+                    tokens,
+                },
+                Part::Decode => Share { requests: 1, tokens, ..Share::default() },
+            };
+            counters.add(&share, 1);
+            holdings[i] = Some((counters, part, share));
+        }
         Ticket { holdings, stage: Stage::Running }
     }
 
@@ -156,7 +162,7 @@ impl Ticket {
         if self.stage != Stage::Running {
             return false;
         }
-        for (counters, part, share) in &mut self.holdings {
+        for (counters, part, share) in self.holdings.iter_mut().flatten() {
             let done = match part {
                 Part::Prefill { .. } => *share,
                 Part::Whole { .. } => Share {
@@ -182,7 +188,7 @@ impl Ticket {
         if self.stage == Stage::Finished {
             return false;
         }
-        for (counters, _, share) in &mut self.holdings {
+        for (counters, _, share) in self.holdings.iter_mut().flatten() {
             counters.add(share, -1);
             *share = Share::default();
         }
@@ -223,6 +229,22 @@ mod tests {
         assert!(!local.finish());
         drop(split);
         assert_eq!(d.snapshot(), InFlightSnapshot::default());
+    }
+
+    /// The shares are held inline, two at most (a request's prefill and decode endpoints):
+    /// a third is refused before any count is taken for it.
+    #[test]
+    #[should_panic(expected = "at most two endpoints")]
+    fn a_ticket_holds_two_shares_at_most() {
+        let d = Arc::new(InFlight::default());
+        let _ = Ticket::start(
+            [
+                (d.clone(), Part::Prefill { uncached_tokens: 1 }),
+                (d.clone(), Part::Decode),
+                (d.clone(), Part::Decode),
+            ],
+            10,
+        );
     }
 
     #[test]

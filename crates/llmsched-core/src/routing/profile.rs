@@ -96,12 +96,28 @@ impl Profile {
         base: &[Candidate],
         rng: &mut DecisionRng,
     ) -> Result<ProfileOutcome, PluginError> {
-        let mut out = ProfileOutcome {
-            profile: index,
-            removed_by: vec![KEPT; base.len()],
-            kept: (0..base.len() as u32).collect(),
-            ..ProfileOutcome::default()
-        };
+        self.run_into(ProfileOutcome::default(), index, ctx, base, rng)
+    }
+
+    /// [`Profile::run`], writing into `out`, an earlier outcome whose lists' allocations are
+    /// reused (whatever it held is cleared first: the outcome is the one `run` gives).
+    pub(crate) fn run_into(
+        &self,
+        mut out: ProfileOutcome,
+        index: usize,
+        ctx: &RequestContext<'_>,
+        base: &[Candidate],
+        rng: &mut DecisionRng,
+    ) -> Result<ProfileOutcome, PluginError> {
+        out.profile = index;
+        out.removed_by.clear();
+        out.removed_by.resize(base.len(), KEPT);
+        out.skipped_filters.clear();
+        out.kept.clear();
+        out.kept.extend(0..base.len() as u32);
+        out.scores.clear();
+        out.totals.clear();
+        out.order.clear();
         // Without filters the candidates are the base ones: read in place, not copied.
         let filtered;
         let current: &[Candidate] = if self.filters.is_empty() {
@@ -116,8 +132,10 @@ impl Profile {
         if k == 0 {
             return Ok(out);
         }
-        out.scores = zeros(k * self.scorers.len());
-        out.totals = zeros(k);
+        // Filled rather than `vec![0.0; n]`: glibc's `calloc` costs some 300 instructions more
+        // than `malloc` for the few words a decision needs.
+        out.scores.resize(k * self.scorers.len(), 0.0);
+        out.totals.resize(k, 0.0);
         for (j, ws) in self.scorers.iter().enumerate() {
             let column = &mut out.scores[j * k..(j + 1) * k];
             run_scorer(ws, ctx, current, column)?;
@@ -133,7 +151,6 @@ impl Profile {
         let picked = self.picker.pick(ctx, current, &out.totals, rng, &mut order);
         order.truncate(self.picker.limit());
         if picked.is_ok() {
-            out.order = Vec::with_capacity(order.len());
             out.order.extend(order.iter().filter(|&&i| i < k).map(|&i| out.kept[i]));
         }
         order.clear();
@@ -177,15 +194,6 @@ impl Profile {
         }
         Ok(())
     }
-}
-
-/// `n` zeros, allocated as any vector rather than zeroed by the allocator: `vec![0.0; n]` asks
-/// glibc's `calloc`, which costs some 300 instructions more than `malloc` for the few words a
-/// decision needs.
-fn zeros(n: usize) -> Vec<f64> {
-    let mut out = Vec::with_capacity(n);
-    out.resize(n, 0.0);
-    out
 }
 
 /// Runs one scorer; saturated candidates get 0 from scorers that read metrics, and the scorer

@@ -118,6 +118,40 @@ pub struct Decision {
     pub sequence: u64,
 }
 
+/// A dropped decision's lists (its candidates, its profile outcomes with theirs), kept for
+/// the thread's next decision: a decision then allocates none of them anew.
+#[derive(Default)]
+struct Spare {
+    base: Vec<Candidate>,
+    outcomes: Vec<ProfileOutcome>,
+}
+
+thread_local! {
+    /// The last decision dropped on this thread left its lists here (one set: a thread with
+    /// several decisions alive allocates for the others as before). What they held is
+    /// cleared before they are written again.
+    static SPARE: std::cell::Cell<Spare> = const {
+        std::cell::Cell::new(Spare { base: Vec::new(), outcomes: Vec::new() })
+    };
+}
+
+impl Drop for Decision {
+    fn drop(&mut self) {
+        let spare = Spare {
+            base: std::mem::take(&mut self.base),
+            outcomes: std::mem::take(&mut self.outcomes),
+        };
+        // A thread ending drops its spare first: then the lists are simply freed.
+        let _ = SPARE.try_with(|cell| cell.replace(spare));
+    }
+}
+
+/// The spare lists of the thread's last dropped decision (empty ones when there are none, or
+/// when the thread is ending).
+fn take_spare() -> Spare {
+    SPARE.try_with(std::cell::Cell::take).unwrap_or_default()
+}
+
 impl Decision {
     fn candidate(&self, base_index: usize) -> &Candidate {
         &self.base[base_index]
@@ -264,22 +298,23 @@ impl Router {
             cached
         });
         let policy = self.pool.policy();
-        let base: Vec<Candidate> = members
-            .list
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| serves(&m.endpoint, meta))
-            .map(|(slot, m)| {
-                let metrics = m.metrics();
-                Candidate {
-                    slot,
-                    metrics,
-                    saturated: policy.saturated(metrics.timestamp, now),
-                    inflight: m.inflight.snapshot(),
-                    cached_blocks: cached.as_ref().map_or(0, |cached| cached[slot]),
-                }
-            })
-            .collect();
+        // On the lists of the thread's last decision (their allocations reused).
+        let Spare { mut base, outcomes } = take_spare();
+        base.clear();
+        base.extend(
+            members.list.iter().enumerate().filter(|(_, m)| serves(&m.endpoint, meta)).map(
+                |(slot, m)| {
+                    let metrics = m.metrics();
+                    Candidate {
+                        slot,
+                        metrics,
+                        saturated: policy.saturated(metrics.timestamp, now),
+                        inflight: m.inflight.snapshot(),
+                        cached_blocks: cached.as_ref().map_or(0, |cached| cached[slot]),
+                    }
+                },
+            ),
+        );
         let ctx = RequestContext {
             meta,
             prompt_tokens,
@@ -291,7 +326,7 @@ impl Router {
             members: &members,
             index: Some(&self.index),
         };
-        let (outcomes, prefill_outcome, pd) = self.run_handler(&ctx, &base, &mut rng)?;
+        let (outcomes, prefill_outcome, pd) = self.run_handler(&ctx, &base, &mut rng, outcomes)?;
         let cold = !ctx.any_hit;
         Ok(Decision {
             members,
@@ -308,32 +343,42 @@ impl Router {
         })
     }
 
+    /// Runs profile `i` into `out`, an earlier outcome whose lists are reused (see
+    /// [`Profile::run_into`](super::profile::Profile)).
     fn run_profile(
         &self,
+        out: ProfileOutcome,
         i: usize,
         ctx: &RequestContext<'_>,
         base: &[Candidate],
         rng: &mut DecisionRng,
     ) -> Result<ProfileOutcome, RoutingError> {
-        Ok(self.config.profiles[i].run(i, ctx, base, rng)?)
+        Ok(self.config.profiles[i].run_into(out, i, ctx, base, rng)?)
     }
 
+    /// The profiles' outcomes, written into `spare` (a dropped decision's list of outcomes,
+    /// with their lists: reused, whatever they held).
     #[allow(clippy::type_complexity)]
     fn run_handler(
         &self,
         ctx: &RequestContext<'_>,
         base: &[Candidate],
         rng: &mut DecisionRng,
+        mut spare: Vec<ProfileOutcome>,
     ) -> Result<(Vec<ProfileOutcome>, Option<usize>, Option<PdNote>), RoutingError> {
         let primary = match self.config.handler {
             Handler::Single { profile } | Handler::Pd { decode: profile, .. } => profile,
         };
-        let first = self.run_profile(primary, ctx, base, rng)?;
+        let first = self.run_profile(spare.pop().unwrap_or_default(), primary, ctx, base, rng)?;
         let Some(chosen) = first.chosen() else {
             return Err(self.no_endpoint(primary, base.len(), ctx));
         };
+        let second_spare = spare.pop();
+        let mut outcomes = spare;
+        outcomes.clear();
+        outcomes.push(first);
         let Handler::Pd { prefill, decider, .. } = self.config.handler else {
-            return Ok((vec![first], None, None));
+            return Ok((outcomes, None, None));
         };
         let decode = &base[chosen];
         let uncached_tokens = ctx.uncached_tokens(decode);
@@ -343,9 +388,9 @@ impl Router {
             disaggregated: false,
             reason: PdReason::BelowThreshold,
         };
-        let mut outcomes = vec![first];
         if note.wanted {
-            let second = self.run_profile(prefill, ctx, base, rng)?;
+            let second =
+                self.run_profile(second_spare.unwrap_or_default(), prefill, ctx, base, rng)?;
             // A prefill pick that is the decode endpoint (role `both`) is no split: a
             // hand-off to itself would only add a KV transfer (llm-d sets its prefill header
             // whatever the prefill profile picked).
@@ -498,12 +543,15 @@ impl Router {
         }
         let member = |c: &Candidate| decision.members.list[c.slot].inflight.clone();
         let uncached = |c: &Candidate| decision.prompt_tokens - decision.cached_tokens(c);
+        // Built in place (no list): the prefill share first when split, as before.
         let parts = match prefill {
-            Some(p) => vec![
-                (member(p), Part::Prefill { uncached_tokens: uncached(p) }),
-                (member(decode), Part::Decode),
+            Some(p) => [
+                Some((member(p), Part::Prefill { uncached_tokens: uncached(p) })),
+                Some((member(decode), Part::Decode)),
             ],
-            None => vec![(member(decode), Part::Whole { uncached_tokens: uncached(decode) })],
+            None => {
+                [Some((member(decode), Part::Whole { uncached_tokens: uncached(decode) })), None]
+            }
         };
         let commit = Commit { decode: decode_key, prefill: prefill_key, cold: decision.cold, now };
         for scorer in &self.config.scorers {
@@ -520,7 +568,7 @@ impl Router {
                 });
             }
         }
-        Ok(Ticket::start(parts, decision.prompt_tokens))
+        Ok(Ticket::start(parts.into_iter().flatten(), decision.prompt_tokens))
     }
 }
 

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use super::endpoint::{Endpoint, Role};
 use super::plugin::RequestMeta;
 use super::pool::{EndpointPool, MetricsUpdate, StaleMode, StalePolicy};
-use super::router::{PdReason, Router, RouterOptions};
+use super::router::{Decision, PdReason, Router, RouterOptions};
 use super::{parse_config, presets, RoutingError};
 use crate::prefix_index::{IndexConfig, PrefixIndex, WorkerKey};
 
@@ -511,5 +511,51 @@ fn a_decision_ranks_as_on_a_fresh_thread_after_a_larger_one() {
         assert!(large.iter().all(|r| !r.is_empty()));
         assert_eq!(ranked(preset, &["A", "B"], 7), fresh, "{preset}");
         assert!(fresh.iter().flatten().all(|n| n == "A" || n == "B"), "{preset}");
+    }
+}
+
+/// A decision is written on the lists a dropped one left on its thread (`Spare`): whatever
+/// they held (a larger pool's candidates, a P/D decision's two outcomes with filters,
+/// skipped filters and scores) never shows in a later decision, which is the one a thread
+/// that decided nothing before makes, field by field.
+#[test]
+fn a_decision_on_a_dropped_decisions_lists_is_a_fresh_threads() {
+    fn record(d: &Decision) -> String {
+        format!("{:?} {:?} {:?} {:?} {}", d.base, d.outcomes, d.prefill_outcome, d.pd, d.cold)
+    }
+    let decided = |config: Value, seed: u64, split: bool| -> Vec<String> {
+        let s = if split { pd_setup() } else { Setup::new(&["A", "B"], StalePolicy::default()) };
+        s.store(if split { "P" } else { "A" }, &prompt(48));
+        let router = s.router(config, seed);
+        (0..4)
+            .map(|i| {
+                let d = router.decide(&prompt(40 + 8 * i), &RequestMeta::default(), 0.0).unwrap();
+                record(&d)
+            })
+            .collect()
+    };
+    let pd = |threshold: u32| {
+        pd_config(json!({"type": "prefix-based-pd-decider", "name": "decider",
+                         "parameters": {"nonCachedTokens": threshold}}))
+    };
+    let configs = [
+        ("random", presets::preset("random").unwrap(), false),
+        ("round-robin", presets::preset("round-robin").unwrap(), false),
+        ("llm-d", presets::preset("llm-d").unwrap(), false),
+        ("pd split", pd(0), true),
+        ("pd whole", pd(100_000), true),
+    ];
+    for (label, config, split) in configs {
+        let fresh = {
+            let config = config.clone();
+            std::thread::spawn(move || decided(config, 5, split)).join().unwrap()
+        };
+        // This thread's spare lists last held a larger pool's decision, then a split one's.
+        let large = Setup::new(&["A", "B", "C", "D", "E", "F"], StalePolicy::default());
+        let many = large.router(presets::preset("llm-d").unwrap(), 3);
+        drop(many.decide(&prompt(64), &RequestMeta::default(), 0.0).unwrap());
+        let split_router = pd_setup().router(pd(0), 3);
+        drop(split_router.decide(&prompt(64), &RequestMeta::default(), 0.0).unwrap());
+        assert_eq!(decided(config, 5, split), fresh, "{label}");
     }
 }
