@@ -817,3 +817,72 @@ def test_a_store_during_a_large_clear_lands_whole_before_or_after_it() -> None:
     for round_ in range(30):
         one_round(round_)
     assert sum(outcomes.values()) == 30 and outcomes["after"] >= 14, outcomes
+
+
+# --------------------------------------------------------------------------------------------
+# Scheduler: engines added and removed (a discovery change, the admin API) on one thread while
+# others schedule on the synchronous form ("Requests in flight there keep their accounting
+# until they end", `Scheduler.remove_engine`).
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_engine_changes_beside_placements_on_many_threads_leave_nothing_held() -> None:
+    """Four threads place and end requests through `schedule_sync` (some held open across
+    an engine change) while a fifth removes and adds back two of the engines. Every placement
+    went to an engine scheduled at some point, the scheduler's counters equal what the
+    threads did, and at the end nothing is held: no request in flight on any engine, no
+    flow slot taken, nothing queued."""
+    from llmsched import Scheduler, ScheduleRequest
+
+    stable, moving = ["a", "b"], ["m0", "m1"]
+    s = Scheduler(
+        stable + moving,
+        router="least-load",
+        flow={"saturation": {"type": "concurrency", "max_requests": 64}},
+    )
+    assert s.flow is not None
+    placers, per_thread = 4, 200
+    ended: Counter[str] = Counter()
+    where: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def place(t: int) -> Callable[[], None]:
+        def run() -> None:
+            held: list[Any] = []
+            for i in range(per_thread):
+                tokens = list(range(t * 1000 + i % 30, t * 1000 + i % 30 + 48))
+                p = s.schedule_sync(ScheduleRequest(tokens=tokens, tenant=f"t{t}"))
+                with lock:
+                    where[str(p.endpoint)] += 1
+                held.append(p)
+                if i % 3 == 0:
+                    continue  # held across the next engine changes
+                for q in held:
+                    (q.complete if i % 2 else q.fail)()
+                    with lock:
+                        ended["complete" if i % 2 else "fail"] += 1
+                held.clear()
+            for q in held:
+                q.complete()
+                with lock:
+                    ended["complete"] += 1
+
+        return run
+
+    def churn() -> None:
+        for i in range(150):
+            name = moving[i % 2]
+            s.remove_engine(name)
+            s.add_engine(name)
+
+    failures = _run_together([place(t) for t in range(placers)] + [churn])
+    assert not failures, failures[:3]
+    assert set(where) <= set(stable + moving) and sum(where.values()) == placers * per_thread
+    stats = s.stats()
+    assert (stats["completed"], stats["failed"]) == (ended["complete"], ended["fail"])
+    assert stats["in_flight"] == 0
+    assert {e["id"] for e in s.pool.endpoints()} == set(stable + moving)
+    for e in s.pool.endpoints():
+        assert (e["in_flight_requests"], e["in_flight_tokens"]) == (0, 0), e
+    assert s.flow.running_count() == 0 and len(s.flow) == 0
