@@ -27,7 +27,10 @@ The claims and the tests behind them (here unless a file is named):
 - SliceTracker "safe to share across threads" (slices.py): test_slices.py (thread stress).
 - Scheduler placements ended on another thread, start_sync / stop_sync from several threads,
   the engine map read during engine changes (scheduler.py): test_concurrency_oracle.py,
-  test_scheduler_lifecycle.py, test_scheduler_engine_map_threads.py, test_scheduler.py.
+  test_scheduler_lifecycle.py, test_scheduler_engine_map_threads.py, test_scheduler.py;
+  engines removed and added back while placements on them run ("requests in flight there keep
+  their accounting until they end"):
+  test_engine_changes_beside_placements_on_many_threads_leave_nothing_held.
 - KV-event subscribers applying batches atomically, counters "read from any thread"
   (kv_events.py, docs/integrations.md): test_integrations_kv_stress.py (matches and picks).
 - MetricsScraper.snapshot "may be read from any thread" (metrics.py):
