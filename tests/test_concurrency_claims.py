@@ -20,7 +20,8 @@ The claims and the tests behind them (here unless a file is named):
   test_one_decision_started_and_finished_from_several_threads_counts_once; the router's
   text-pick counter: test_threads.py.
 - Replica sync journaling picks made on many threads while ClusterSync ships (cluster.py):
-  test_replica_sync_ships_every_journaled_pick_made_on_many_threads.
+  test_replica_sync_ships_every_journaled_pick_made_on_many_threads,
+  test_two_replicas_picking_on_threads_and_syncing_both_ways_agree.
 - FlowController "safe to share between threads and asyncio tasks" (flow.py): test_flow.py
   (thread stress), test_flow_async.py (two loops on two threads; ids reused across the sync
   API and admit), test_flow_embedding.py (a thread pool beside an event loop).
@@ -499,32 +500,41 @@ def test_replica_sync_ships_every_journaled_pick_made_on_many_threads() -> None:
 
     def picker(p: int) -> Callable[[], None]:
         def run() -> None:
-            for r in range(rounds):
-                for j in range(per_round):
-                    k = (p * rounds + r) * per_round + j
-                    tokens = np.arange(k * 1000, k * 1000 + 64, dtype=np.uint32)
-                    session = f"s{k}"
-                    d = a.pick(tokens=tokens, session_id=session)
-                    d.started()
-                    made[p].append((tokens, d.endpoint, session))
-                    if j % 3:
-                        opened[p].append(d)
-                    else:
-                        d.finished()
-                    if j % 2 and opened[p]:
-                        opened[p].pop(0).finished()
-                paused.wait()
-                resumed.wait()
-            for d in opened[p]:
-                d.finished()
-            opened[p].clear()
-            ended.append(p)
+            try:
+                picks(p)
+            except BaseException:
+                paused.abort()  # the shipper and the other pickers stop waiting
+                resumed.abort()
+                raise
+            finally:
+                ended.append(p)
 
         return run
 
+    def picks(p: int) -> None:
+        for r in range(rounds):
+            for j in range(per_round):
+                k = (p * rounds + r) * per_round + j
+                tokens = np.arange(k * 1000, k * 1000 + 64, dtype=np.uint32)
+                session = f"s{k}"
+                d = a.pick(tokens=tokens, session_id=session)
+                d.started()
+                made[p].append((tokens, d.endpoint, session))
+                if j % 3:
+                    opened[p].append(d)
+                else:
+                    d.finished()
+                if j % 2 and opened[p]:
+                    opened[p].pop(0).finished()
+            paused.wait()
+            resumed.wait()
+        for d in opened[p]:
+            d.finished()
+        opened[p].clear()
+
     def shipper() -> None:
         for _ in range(rounds):
-            while paused.n_waiting < pickers:
+            while paused.n_waiting < pickers and not paused.broken:
                 ship()
             paused.wait()
             try:
@@ -889,3 +899,76 @@ def test_engine_changes_beside_placements_on_many_threads_leave_nothing_held() -
     for e in s.pool.endpoints():
         assert (e["in_flight_requests"], e["in_flight_tokens"]) == (0, 0), e
     assert s.flow.running_count() == 0 and len(s.flow) == 0
+
+
+@pytest.mark.timeout(180)
+def test_two_replicas_picking_on_threads_and_syncing_both_ways_agree() -> None:
+    """Both replicas pick on two threads each while a fifth ships each one's journal to the
+    other. Once the pickers end and the journals are shipped, each replica counts as remote
+    exactly the other's own requests in flight (its `in_flight_requests` less its
+    `remote_in_flight_requests`), both indexes match every prompt alike, both route every
+    session to the endpoint it was started on, and after the last finishes no load is left."""
+    a, sync_a = _sync_router("a")
+    b, sync_b = _sync_router("b")
+    made: list[tuple[np.ndarray, str, str]] = []
+    opened: list[Any] = []
+    lock = threading.Lock()
+    ended: list[int] = []
+
+    def ship(source: Any, target: Any) -> int:
+        batches = source.outgoing(time.monotonic(), False, 1 << 20)
+        for batch in batches:
+            target.incoming(batch, time.monotonic())
+        return len(batches)
+
+    def ship_both() -> int:
+        return ship(sync_a, sync_b) + ship(sync_b, sync_a)
+
+    def picker(router: Router, first: int) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                for j in range(300):
+                    k = first + j
+                    tokens = np.arange(k * 1000, k * 1000 + 64, dtype=np.uint32)
+                    d = router.pick(tokens=tokens, session_id=f"s{k}")
+                    d.started()
+                    with lock:
+                        made.append((tokens, d.endpoint, f"s{k}"))
+                        if j % 3:
+                            opened.append(d)
+                    if j % 3 == 0:
+                        d.finished()
+            finally:
+                ended.append(first)  # the shipper stops once every picker ended
+
+        return run
+
+    def shipper() -> None:
+        while len(ended) < 4:
+            ship_both()
+
+    pickers = [picker(r, first) for r, first in ((a, 0), (a, 1000), (b, 2000), (b, 3000))]
+    failures = _run_together([*pickers, shipper])
+    assert not failures, failures[:3]
+    while ship_both():
+        pass
+
+    def own_and_remote(r: Router) -> tuple[dict[str, int], dict[str, int]]:
+        rows = r.pool.endpoints()
+        own = {e["id"]: e["in_flight_requests"] - e["remote_in_flight_requests"] for e in rows}
+        return own, {e["id"]: e["remote_in_flight_requests"] for e in rows}
+
+    (own_a, remote_a), (own_b, remote_b) = own_and_remote(a), own_and_remote(b)
+    assert sum(own_a.values()) + sum(own_b.values()) == len(opened) == 800
+    assert (remote_b, remote_a) == (own_a, own_b)
+    other = np.arange(10**8, 10**8 + 32, dtype=np.uint32)
+    for tokens, endpoint, session in made:
+        assert a.index.match_tokens(tokens).as_dict() == b.index.match_tokens(tokens).as_dict()
+        assert a.pick(tokens=other, session_id=session).endpoint == endpoint
+        assert b.pick(tokens=other, session_id=session).endpoint == endpoint
+    for d in opened:
+        d.finished()
+    while ship_both():
+        pass
+    rows = a.pool.endpoints() + b.pool.endpoints()
+    assert [(e["in_flight_requests"], e["remote_in_flight_requests"]) for e in rows] == [(0, 0)] * 8
