@@ -128,17 +128,24 @@ VENV_FT ?= .venv-ft
 PY_FT := $(VENV_FT)/bin/python
 FT_TESTS ?= tests/test_threads.py tests/test_prefix_index.py tests/test_prefix_index_inputs.py \
 	tests/test_prefix_index_events.py tests/test_prefix_index_model.py tests/test_routing.py \
-	tests/test_routing_model.py tests/test_hashing.py tests/test_vllm_events.py
+	tests/test_routing_model.py tests/test_hashing.py tests/test_vllm_events.py \
+	tests/test_concurrency_claims.py tests/test_concurrency_oracle.py tests/test_flow.py \
+	tests/test_flow_async.py tests/test_flow_embedding.py tests/test_slices.py \
+	tests/test_integrations_kv_stress.py tests/test_scheduler_engine_map_threads.py \
+	tests/test_scheduler_lifecycle.py
 
 $(PY_FT_PREFIX)/bin/python3.14t:
 	tools/build_freethreaded_python.sh $(PY_FT_PREFIX)
 
 # Binary numpy only: a free-threaded build from source takes longer than everything else here.
+# The integrations extra too (binary wheels for 3.14t): the scheduler, KV-event feed and
+# scraper thread tests skip without it.
 $(VENV_FT)/.deps: $(PY_FT_PREFIX)/bin/python3.14t
 	$(PY_FT_PREFIX)/bin/python3.14t -m venv $(VENV_FT)
 	$(VENV_FT)/bin/pip install -q --upgrade pip
 	$(VENV_FT)/bin/pip install -q --only-binary numpy "maturin>=1.9,<2" "numpy>=1.26" "pyyaml>=6" "pytest>=8" \
 		pytest-timeout pytest-benchmark "hypothesis>=6.100" msgpack xxhash cbor2
+	$(VENV_FT)/bin/pip install -q --only-binary :all: "pyzmq>=26" "aiohttp>=3.9" "prometheus-client>=0.20"
 	touch $@
 
 build-freethreaded: $(VENV_FT)/.deps ## Build free-threaded CPython 3.14t, a venv and the extension for it

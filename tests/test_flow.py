@@ -254,6 +254,7 @@ def test_thread_stress_accounts_for_every_request() -> None:
     finished: dict[int, str] = {}
     refused: dict[int, str] = {}
     errors: list[BaseException] = []
+    barrier = threading.Barrier(threads, timeout=30)  # every worker starts at once
 
     def record(request_id: int, outcome: str) -> None:
         with lock:
@@ -264,6 +265,7 @@ def test_thread_stress_accounts_for_every_request() -> None:
         rng = random.Random(t)
         running: list[int] = []
         try:
+            barrier.wait()
             for i in range(per_thread):
                 rid = t * 1_000_000 + i
                 priority = rng.choice([-1, 0, 2])
@@ -289,7 +291,8 @@ def test_thread_stress_accounts_for_every_request() -> None:
     for thread in pool:
         thread.start()
     for thread in pool:
-        thread.join()
+        thread.join(timeout=100)
+    assert not any(t.is_alive() for t in pool), "a thread hung"
     assert not errors, errors
     while (d := ctrl.dispatch()) is not None:
         record(d.id, d.outcome.key)

@@ -1,5 +1,5 @@
 """Thread stress: the subscriber (the Python one and the native one) applies batches while other
-threads match and read counters.
+threads match, pick with a router over the index, and read counters.
 
 Every batch removes the chain's tail block and stores three blocks from there (cycles start with
 a full clear), so after batch k of a cycle the prompt matches 3 + 2k blocks. Batches apply
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from llmsched import PrefixIndex
+from llmsched import EndpointPool, PrefixIndex, Router
 from llmsched.integrations import EngineSpec, KVEventSubscriber, NativeKVEventSubscriber
 from llmsched.testing import (
     FakeKVPublisher,
@@ -79,7 +79,7 @@ def test_subscriber_applies_atomically_while_threads_match(feed: Any) -> None:
 
     index = PrefixIndex(block_size=BLOCK)
     done = threading.Event()
-    observed: list[set[int]] = [set(), set()]
+    observed: list[set[int]] = [set(), set(), set()]
     torn_counters: list[dict[str, int]] = []
 
     with FakeKVPublisher(topic="kv@stress") as fake:
@@ -89,6 +89,15 @@ def test_subscriber_applies_atomically_while_threads_match(feed: Any) -> None:
             while not done.is_set():
                 observed[slot].add(index.match_tokens(PROMPT).as_dict().get(spec.worker_id, 0))
 
+        router = Router(EndpointPool([spec.worker_id, "idle"]), index, config="prefix-only")
+
+        def picker(slot: int) -> None:
+            # A pick's cached tokens come from the same whole-batch states as a match.
+            while not done.is_set():
+                cached = router.pick(tokens=PROMPT, now=0.0).cached_tokens()
+                observed[slot].add(cached.get(spec.worker_id, 0) // BLOCK)
+                time.sleep(0.0002)  # a pick is heavier than a match: leave the feed its core
+
         def counter_reader(sub: KVEventSubscriber | NativeKVEventSubscriber) -> None:
             while not done.is_set():
                 c = sub.counters()
@@ -97,6 +106,7 @@ def test_subscriber_applies_atomically_while_threads_match(feed: Any) -> None:
 
         with feed(index, [spec], backoff_s=(0.01, 0.05)) as sub:
             threads = [threading.Thread(target=matcher, args=(i,)) for i in range(2)]
+            threads.append(threading.Thread(target=picker, args=(2,)))
             threads.append(threading.Thread(target=counter_reader, args=(sub,)))
             for t in threads:
                 t.start()
@@ -114,7 +124,9 @@ def test_subscriber_applies_atomically_while_threads_match(feed: Any) -> None:
 
     assert c["gaps"] == 0 and c["decode_errors"] == 0
     assert torn_counters == []
-    assert len(observed[0] | observed[1]) > 5, "the matchers barely overlapped the subscriber"
+    # The picker shares the machine's cores with the matchers: the overlap is judged on all.
+    assert observed[2], "the picker made no pick"
+    assert len(set().union(*observed)) > 5, "the readers barely overlapped the subscriber"
     for values in observed:
         assert values <= allowed, sorted(values - allowed)
     assert index.holdings(spec.worker_id) == oracle.holdings("w")

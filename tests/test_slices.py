@@ -626,9 +626,11 @@ def test_thread_stress_shared_tracker() -> None:
     errors: list[BaseException] = []
     lock = threading.Lock()
     short = [WaitingRequest(0, 0, 50, 3)]
+    barrier = threading.Barrier(threads_n + 1, timeout=30)  # workers and churn start at once
 
     def worker(tid: int) -> None:
         try:
+            barrier.wait()
             done_tokens = 0
             for j in range(per_thread):
                 rid = tid * 1_000_000 + j
@@ -652,6 +654,7 @@ def test_thread_stress_shared_tracker() -> None:
             errors.append(exc)
 
     def churn() -> None:
+        barrier.wait()
         for i in range(300):
             t.set_endpoint(ENDPOINTS[i % 3], kv_cache_usage=(i % 10) / 10, waiting=i % 2)
             t.promote(now=float(i))
@@ -661,7 +664,8 @@ def test_thread_stress_shared_tracker() -> None:
     for th in threads:
         th.start()
     for th in threads:
-        th.join()
+        th.join(timeout=50)
+    assert not any(th.is_alive() for th in threads), "a thread hung"
     assert not errors, errors
     expected = sum(20 + (j % 50) for j in range(per_thread))
     assert finished == [expected] * threads_n

@@ -336,11 +336,23 @@ def test_matches_during_a_large_clear_see_the_worker_whole_or_gone() -> None:
 
 def test_text_picks_on_many_threads_are_all_counted() -> None:
     """Probe 53 F3: the count of text picks on an index fed by engine events was a bare
-    ``+= 1``, which free-threaded CPython can lose between threads."""
-    from llmsched.testing.fake_engine import event_batch, stored_event
+    ``+= 1``, which free-threaded CPython can lose between threads. The batch is packed here:
+    `llmsched.testing` needs zmq and aiohttp, which `make test-freethreaded`'s environment
+    lacks, and the test was skipped on the one interpreter it was written for."""
+    import msgpack
 
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [11, 12],
+        "parent_block_hash": None,
+        "token_ids": list(range(1, 9)),
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+    }
     index = PrefixIndex(4)
-    index.apply_vllm_events("a", event_batch(stored_event([11, 12], None, list(range(1, 9)), 4)))
+    index.apply_vllm_events("a", msgpack.packb([0.0, [stored], None]))
+    assert index.fed_by_engine_events
     router = Router(EndpointPool(["a", "b"]), index, config="prefix-only")
     threads, picks = 4, 2_000
     errors: list[BaseException] = []
