@@ -1637,7 +1637,7 @@ fn check_fields(payload: &Payload<'_>) -> Result<(), Refusal> {
     let read = |field: &str| payload.value(field).map(Result::ok);
     for field in ["max_tokens", "max_completion_tokens"] {
         // The usual value, read from its text without a `Value` made of it.
-        match payload.raw(field).and_then(|raw| token_limit_text(raw.get())) {
+        match payload.text(field).and_then(token_limit_text) {
             Some(true) => continue,
             Some(false) => {
                 return Err(bad(field, &format!("an integer in 1..{MAX_TOKEN_LIMIT} or null")))
@@ -1660,9 +1660,7 @@ fn check_fields(payload: &Payload<'_>) -> Result<(), Refusal> {
     }
     // The usual values, read from their text (a raw value's text is checked JSON: no
     // space around it).
-    let literal = |field: &str| {
-        payload.raw(field).is_some_and(|raw| matches!(raw.get(), "true" | "false" | "null"))
-    };
+    let literal = |field: &str| matches!(payload.text(field), Some("true" | "false" | "null"));
     match read("stream") {
         _ if literal("stream") => {}
         None | Some(Some(Value::Null | Value::Bool(_))) => {}
@@ -2488,10 +2486,10 @@ impl Gateway {
         arrived: f64,
         deadline: f64,
     ) -> Result<Answer, Refusal> {
-        let (identity, parts, raw) = self.identified_body(request, fields).await?;
+        let (identity, mut parts, raw) = self.identified_body(request, fields).await?;
         let payload = Payload::parse(&raw).map_err(Refusal::unreadable)?;
         check_fields(&payload)?;
-        let model = match (payload.raw("model"), payload.str("model")) {
+        let model = match (payload.text("model"), payload.str("model")) {
             (Some(_), Some(model)) => Some(model),
             // Without configured models (the standalone binary) the field is optional.
             (None, _) if self.models.is_empty() => None,
@@ -2677,6 +2675,11 @@ impl Gateway {
         // The attempts' waits (an answer's head, then its body or first frame) on one timer.
         let slot = std::pin::pin!(None);
         let mut timer = AttemptTimer::new(slot);
+        // What the engines get of the client's head, read once; the client's map, drained,
+        // carries the first attempt's head (its allocation kept), a later attempt's is new.
+        let accept =
+            RequestFields::get(fields.accept, &parts.headers, &hyper::header::ACCEPT).cloned();
+        let mut client_head = Some(std::mem::take(&mut parts.headers));
         while let Some(key) = next_key() {
             if tried == attempts {
                 break;
@@ -2694,12 +2697,14 @@ impl Gateway {
             let mut forward = Request::new(Full::new(raw.clone()));
             *forward.method_mut() = Method::POST;
             *forward.uri_mut() = path.clone();
-            forward_headers(&parts.headers, fields, forward.headers_mut());
-            if let (Some(header), Some(address)) = (&self.pd_header, &prefill) {
-                if let Ok(value) = HeaderValue::from_str(address) {
-                    forward.headers_mut().insert(header.clone(), value);
+            let prefill_header = match (&self.pd_header, &prefill) {
+                (Some(header), Some(address)) => {
+                    HeaderValue::from_str(address).ok().map(|value| (header, value))
                 }
-            }
+                _ => None,
+            };
+            *forward.headers_mut() =
+                forward_head(client_head.take(), accept.as_ref(), prefill_header);
             let Ok(ticket) = router.commit(&decision, Some(key), monotonic()) else { continue };
             if tried == 1 {
                 self.counters.histograms.overhead.observe(monotonic() - arrived - queued_s);
@@ -3306,7 +3311,7 @@ impl Gateway {
     /// through here (a panic would be a 500, the gateway going on).
     fn prompt_tokens(&self, payload: &Payload<'_>, chat: bool) -> Result<Vec<u32>, Refusal> {
         let bad = |problem: String| Refusal::new(400, "invalid_request_error", problem);
-        let empty = payload.raw("prompt").is_some_and(|raw| raw.get() == r#""""#);
+        let empty = payload.text("prompt") == Some(r#""""#);
         if !chat && empty && !embeds_given(payload) {
             // As vLLM refuses it (nothing to route on, and the engine answers 400).
             return Err(bad(
@@ -3638,12 +3643,12 @@ fn prompt_tokens(
         }
         return Ok(pack_text(text.as_bytes()));
     }
-    let raw = payload.raw("prompt").ok_or(BAD_PROMPT)?;
+    let raw = payload.text("prompt").ok_or(BAD_PROMPT)?;
     if let Some(text) = payload.str("prompt") {
         return Ok(pack_text(text.as_bytes()));
     }
     // Token ids, or a batch (small next to a text prompt): read whole.
-    let prompt: Value = serde_json::from_str(raw.get()).map_err(|_| BAD_PROMPT)?;
+    let prompt: Value = serde_json::from_str(raw).map_err(|_| BAD_PROMPT)?;
     let prompt = match &prompt {
         // A batch routes by its first prompt.
         Value::Array(items) if items.first().is_some_and(|p| p.is_string() || p.is_array()) => {
@@ -3683,7 +3688,7 @@ fn gives_token_ids(payload: &Payload<'_>) -> bool {
 /// Whether a completions request gives its prompt only as `prompt_embeds` (vLLM's
 /// `--enable-prompt-embeds`: base64 tensors, one or a list), with no `prompt`.
 fn embeds_only(payload: &Payload<'_>) -> bool {
-    let no_prompt = payload.raw("prompt").is_none_or(|raw| raw.get() == "null");
+    let no_prompt = payload.text("prompt").is_none_or(|text| text == "null");
     no_prompt && embeds_given(payload)
 }
 
@@ -3715,11 +3720,31 @@ fn request_truncation(
 /// What an engine gets of the client's headers: the content type (always JSON) and
 /// `Accept`. Nothing else (hosts, forwarding headers, keys, a client-sent prefill header)
 /// reaches it.
-fn forward_headers(from: &HeaderMap, fields: &RequestFields, to: &mut HeaderMap) {
+///
+/// The head is written into `spare` (the client's own map, on a request's first attempt)
+/// cleared, its allocation kept, or into a new map: `Content-Type`, then `Accept` (the
+/// client's first, `accept`), then the prefill header where one is sent, in that order
+/// either way.
+fn forward_head(
+    spare: Option<HeaderMap>,
+    accept: Option<&HeaderValue>,
+    prefill: Option<(&HeaderName, HeaderValue)>,
+) -> HeaderMap {
+    let mut to = match spare {
+        Some(mut map) => {
+            map.clear();
+            map
+        }
+        None => HeaderMap::new(),
+    };
     to.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    if let Some(accept) = RequestFields::get(fields.accept, from, &hyper::header::ACCEPT) {
+    if let Some(accept) = accept {
         to.insert(hyper::header::ACCEPT, accept.clone());
     }
+    if let Some((name, value)) = prefill {
+        to.insert(name.clone(), value);
+    }
+    to
 }
 
 /// How an upstream answer is relayed.
@@ -5802,6 +5827,39 @@ mod tests {
                 map.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
             };
             proptest::prop_assert_eq!(listed(&now), listed(&before));
+        }
+
+        /// An attempt's head, written into the client's drained map (a first attempt) or a
+        /// new one, is the one `forward_headers` wrote into a new map before, the prefill
+        /// header inserted after it: the same fields, values and order.
+        #[test]
+        fn an_attempts_head_is_made_as_before(
+            fields in proptest::collection::vec((0usize..16, 0usize..14), 0..12),
+            prefill in proptest::option::of(0usize..14),
+            first in proptest::bool::ANY,
+        ) {
+            let client = head_of(&fields);
+            let read = RequestFields::of(&client);
+            let pd = HeaderName::from_static("x-prefiller-host-port");
+            let prefill = prefill.and_then(|v| HeaderValue::from_bytes(FIELD_VALUES[v]).ok());
+            // Before: a new map, `forward_headers`, then the prefill header.
+            let mut before = HeaderMap::new();
+            before.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            if let Some(accept) = RequestFields::get(read.accept, &client, &hyper::header::ACCEPT)
+            {
+                before.insert(hyper::header::ACCEPT, accept.clone());
+            }
+            if let Some(value) = &prefill {
+                before.insert(pd.clone(), value.clone());
+            }
+            let accept = RequestFields::get(read.accept, &client, &hyper::header::ACCEPT).cloned();
+            let spare = first.then(|| client.clone());
+            let now = forward_head(spare, accept.as_ref(), prefill.map(|value| (&pd, value)));
+            let listed = |map: &HeaderMap| -> Vec<(String, Vec<u8>)> {
+                map.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect()
+            };
+            proptest::prop_assert_eq!(listed(&now), listed(&before));
+            proptest::prop_assert_eq!(now.len(), before.len());
         }
 
         #[test]

@@ -133,10 +133,11 @@ const FIELDS: [&str; 23] = [
     "store",
 ];
 
-/// A request body's fields, each as the JSON text it was sent as.
+/// A request body's fields, each as the JSON text it was sent as (checked JSON: a
+/// `&RawValue` is made of it only when [`Payload::raw`] asks for one).
 pub struct Payload<'a> {
     raw: &'a [u8],
-    fields: [Option<&'a RawValue>; FIELDS.len()],
+    fields: [Option<&'a str>; FIELDS.len()],
     /// Bit `i` set: field `i` is known to be a string without an escape (known only when
     /// read the fast way).
     plain: u32,
@@ -147,7 +148,7 @@ impl fmt::Debug for Payload<'_> {
         let mut out = f.debug_map();
         for (name, value) in FIELDS.iter().zip(&self.fields) {
             if let Some(value) = value {
-                out.entry(name, &value.get());
+                out.entry(name, value);
             }
         }
         out.finish()
@@ -180,19 +181,19 @@ impl<'a> Payload<'a> {
                 plain = (plain & !(1 << i)) | (u32::from(string) << i);
             }
         })?;
-        let mut fields = [None; FIELDS_LEN];
-        for (field, span) in fields.iter_mut().zip(spans) {
-            if let Some((start, end)) = span {
+        // Only now is the text known to be UTF-8: the scan checks it as it ends (a member is
+        // handed over before the bytes after it are checked).
+        let fields = spans.map(|span| {
+            span.map(|(start, end)| {
                 // The scan checked the text as UTF-8 (all of it ASCII, or checked whole), and
                 // a value starts and ends at ASCII bytes (its first byte, and a quote,
                 // bracket, letter or digit last): a character boundary each.
                 let bytes = &raw[start..end];
                 debug_assert!(std::str::from_utf8(bytes).is_ok());
                 // SAFETY: as said above, `bytes` is UTF-8.
-                let text = unsafe { std::str::from_utf8_unchecked(bytes) };
-                *field = Some(checked_raw(text)?);
-            }
-        }
+                unsafe { std::str::from_utf8_unchecked(bytes) }
+            })
+        });
         Some(Payload { raw, fields, plain })
     }
 
@@ -228,35 +229,43 @@ impl<'a> Payload<'a> {
         if deep.is_some() {
             return Err(Problem::Nested);
         }
-        Ok(Payload { raw, fields, plain: 0 })
+        Ok(Payload { raw, fields: fields.map(|field| field.map(RawValue::get)), plain: 0 })
     }
 
-    /// The field's JSON text, when the body has it (`null` included).
-    pub fn raw(&self, name: &str) -> Option<&'a RawValue> {
+    /// The field's JSON text, when the body has it (`null` included): checked JSON, with
+    /// no space around it.
+    pub fn text(&self, name: &str) -> Option<&'a str> {
         FIELDS.iter().position(|f| *f == name).and_then(|i| self.fields[i])
+    }
+
+    /// The field's JSON text as a raw value, when the body has it (`null` included).
+    pub fn raw(&self, name: &str) -> Option<&'a RawValue> {
+        // The text is one JSON value, checked: it reads as one (the second reading, should
+        // `checked_raw` ever fail, makes the same raw value the slow way).
+        self.text(name)
+            .and_then(|text| checked_raw(text).or_else(|| serde_json::from_str(text).ok()))
     }
 
     /// The field decoded (None when absent; an error for a number out of `f64`'s range, in
     /// it). Only for small fields: this allocates.
     pub fn value(&self, name: &str) -> Option<Result<Value, serde_json::Error>> {
-        self.raw(name).map(|raw| serde_json::from_str(raw.get()))
+        self.text(name).map(serde_json::from_str)
     }
 
     /// The field when it is a JSON string (borrowed unless it has escapes).
     pub fn str(&self, name: &str) -> Option<Cow<'a, str>> {
         let i = FIELDS.iter().position(|f| *f == name)?;
-        let raw = self.fields[i]?;
+        let text = self.fields[i]?;
         if self.plain & (1 << i) != 0 {
             // Known to be a string without an escape: the text between its quotes.
-            let text = raw.get();
             return Some(Cow::Borrowed(&text[1..text.len() - 1]));
         }
-        as_str(raw)
+        text_as_str(text)
     }
 
     /// Whether the body asks for a streamed answer (`"stream": true`).
     pub fn stream(&self) -> bool {
-        self.raw("stream").is_some_and(|v| v.get() == "true")
+        self.text("stream") == Some("true")
     }
 
     /// The whole body as a `Value` (for code that needs all of it; this copies everything).
@@ -284,14 +293,18 @@ fn checked_raw(text: &str) -> Option<&RawValue> {
 
 /// `raw` as a string when it is a JSON string.
 pub fn as_str(raw: &RawValue) -> Option<Cow<'_, str>> {
-    let text = raw.get();
+    text_as_str(raw.get())
+}
+
+/// `text`, a JSON value's checked text, as a string when it is a JSON string.
+fn text_as_str(text: &str) -> Option<Cow<'_, str>> {
     let inner = text.strip_prefix('"')?.strip_suffix('"')?;
     // Without a backslash the text between the quotes is the string (a valid JSON string has
     // no raw control characters); only escapes need decoding.
     if memchr::memchr(b'\\', inner.as_bytes()).is_none() {
         return Some(Cow::Borrowed(inner));
     }
-    let mut deserializer = serde_json::Deserializer::from_str(raw.get());
+    let mut deserializer = serde_json::Deserializer::from_str(text);
     deserializer.deserialize_str(StrVisitor).ok()
 }
 
@@ -996,6 +1009,201 @@ mod tests {
             }
             let (ours, theirs) = both_readings(&raw);
             proptest::prop_assert_eq!(ours, theirs);
+        }
+    }
+
+    /// The reading before fields were kept as text (session 58's `Payload`, which made a
+    /// `&RawValue` of each field as it read the body), kept to compare the two.
+    mod old {
+        use super::super::*;
+
+        pub struct Payload<'a> {
+            fields: [Option<&'a RawValue>; FIELDS_LEN],
+            plain: u32,
+        }
+
+        impl<'a> Payload<'a> {
+            pub fn parse(raw: &'a [u8]) -> Result<Payload<'a>, Problem> {
+                match Payload::parse_plain(raw) {
+                    Some(payload) => Ok(payload),
+                    None => Payload::parse_checked(raw).map_err(|problem| match problem {
+                        Problem::NotJson => {
+                            wide_encoding(raw).map_or(Problem::NotJson, Problem::Encoding)
+                        }
+                        problem => problem,
+                    }),
+                }
+            }
+
+            fn parse_plain(raw: &'a [u8]) -> Option<Payload<'a>> {
+                let mut spans = [None; FIELDS_LEN];
+                let mut plain = 0u32;
+                json_scan::object_members(raw, MAX_DEPTH, |key, start, end, escaped| {
+                    if let Some(i) = FIELDS.iter().position(|name| name.as_bytes() == key) {
+                        spans[i] = Some((start, end));
+                        let string = raw[start] == b'"' && !escaped;
+                        plain = (plain & !(1 << i)) | (u32::from(string) << i);
+                    }
+                })?;
+                let mut fields = [None; FIELDS_LEN];
+                for (field, span) in fields.iter_mut().zip(spans) {
+                    if let Some((start, end)) = span {
+                        let text = std::str::from_utf8(&raw[start..end]).ok()?;
+                        *field = Some(checked_raw(text)?);
+                    }
+                }
+                Some(Payload { fields, plain })
+            }
+
+            fn parse_checked(raw: &'a [u8]) -> Result<Payload<'a>, Problem> {
+                let Ok(text) = std::str::from_utf8(raw) else { return Err(Problem::NotJson) };
+                let deep = depth_past_limit(raw);
+                if deep.is_some_and(|depth| depth > SERDE_DEPTH) {
+                    return Err(Problem::Nested);
+                }
+                let mut deserializer = serde_json::Deserializer::from_str(text);
+                let named = || {
+                    lone_surrogate(raw).map_or(Problem::NotJson, |(path, in_key)| {
+                        Problem::LoneSurrogate { path, in_key }
+                    })
+                };
+                let picked =
+                    match Pick::<FIELDS_LEN>(&FIELDS, PhantomData).deserialize(&mut deserializer) {
+                        Ok(picked) => deserializer.end().map(|()| picked).map_err(|e| problem(&e)),
+                        Err(err) => Err(problem(&err)),
+                    };
+                let picked = match picked {
+                    Err(Problem::NotJson) if has_surrogate_escape(raw) => return Err(named()),
+                    picked => picked?,
+                };
+                let Some(fields) = picked else { return Err(Problem::NotObject) };
+                if has_surrogate_escape(raw) && serde_json::from_slice::<Value>(raw).is_err() {
+                    return Err(named());
+                }
+                if deep.is_some() {
+                    return Err(Problem::Nested);
+                }
+                Ok(Payload { fields, plain: 0 })
+            }
+
+            pub fn raw(&self, name: &str) -> Option<&'a RawValue> {
+                FIELDS.iter().position(|f| *f == name).and_then(|i| self.fields[i])
+            }
+
+            pub fn value(&self, name: &str) -> Option<Result<Value, serde_json::Error>> {
+                self.raw(name).map(|raw| serde_json::from_str(raw.get()))
+            }
+
+            pub fn str(&self, name: &str) -> Option<Cow<'a, str>> {
+                let i = FIELDS.iter().position(|f| *f == name)?;
+                let raw = self.fields[i]?;
+                if self.plain & (1 << i) != 0 {
+                    let text = raw.get();
+                    return Some(Cow::Borrowed(&text[1..text.len() - 1]));
+                }
+                as_str(raw)
+            }
+
+            pub fn stream(&self) -> bool {
+                self.raw("stream").is_some_and(|v| v.get() == "true")
+            }
+        }
+    }
+
+    /// Everything a body's reading answers, by this reading and by session 58's: each
+    /// field's text, raw value, string (and whether it is borrowed), decoded value, and
+    /// whether the body asks for a stream; or the problem the body has.
+    fn new_and_old_readings(raw: &[u8]) -> (Result<String, Problem>, Result<String, Problem>) {
+        let names = FIELDS.iter().copied().chain(["temperature", "", "Model", "models"]);
+        let decoded = |value: Option<Result<Value, serde_json::Error>>| {
+            value.map(|value| value.map_err(|err| err.to_string()))
+        };
+        let borrowed = |text: &Option<Cow<'_, str>>| matches!(text, Some(Cow::Borrowed(_)));
+        let new = Payload::parse(raw).map(|payload| {
+            let read: Vec<String> = names
+                .clone()
+                .map(|name| {
+                    let text = payload.str(name);
+                    format!(
+                        "{:?} {:?} {:?} {} {:?}",
+                        payload.text(name),
+                        payload.raw(name).map(RawValue::get),
+                        text,
+                        borrowed(&text),
+                        decoded(payload.value(name)),
+                    )
+                })
+                .collect();
+            format!("{read:?} {}", payload.stream())
+        });
+        let old = old::Payload::parse(raw).map(|payload| {
+            let read: Vec<String> = names
+                .clone()
+                .map(|name| {
+                    let text = payload.str(name);
+                    let raw = payload.raw(name).map(RawValue::get);
+                    format!(
+                        "{:?} {:?} {:?} {} {:?}",
+                        raw,
+                        raw,
+                        text,
+                        borrowed(&text),
+                        decoded(payload.value(name)),
+                    )
+                })
+                .collect();
+            format!("{read:?} {}", payload.stream())
+        });
+        (new, old)
+    }
+
+    #[test]
+    fn the_usual_bodies_read_as_before() {
+        for body in [
+            r#"{"model": "m", "prompt": "hello", "max_tokens": 16, "stream": false}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#,
+            r#"{"model": "m\u00e9", "prompt": [1, 2, 3], "max_tokens": null, "stop": ["\n"]}"#,
+            r#"{"mod\u0065l": "x", "stream": true, "stream": "true"}"#,
+            r#"{"prompt": "\ud83d\ude00", "previous_response_id": 1e400}"#,
+            r#"[1, 2]"#,
+            r#"{"model": "m""#,
+        ] {
+            let (new, old) = new_and_old_readings(body.as_bytes());
+            assert_eq!(new, old, "{body}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_body_reads_as_the_old_reading_read_it(
+            text in body_text(),
+            edits in proptest::collection::vec(
+                (
+                    proptest::prelude::any::<proptest::sample::Index>(),
+                    0..3u8,
+                    proptest::sample::select(
+                        b"\"\\\x01\x1f\x7f\xff\xc3\xa9u{}[],:0-.eE d8 ".to_vec(),
+                    ),
+                ),
+                0..3,
+            ),
+        ) {
+            let (new, old) = new_and_old_readings(text.as_bytes());
+            proptest::prop_assert_eq!(new, old);
+            let mut raw = text.into_bytes();
+            for (at, edit, byte) in edits {
+                let at = at.index(raw.len() + 1);
+                match edit {
+                    0 if at < raw.len() => raw[at] = byte,
+                    1 => raw.insert(at, byte),
+                    _ if at < raw.len() => {
+                        raw.remove(at);
+                    }
+                    _ => {}
+                }
+            }
+            let (new, old) = new_and_old_readings(&raw);
+            proptest::prop_assert_eq!(new, old);
         }
     }
 
