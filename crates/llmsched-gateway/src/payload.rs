@@ -183,17 +183,20 @@ impl<'a> Payload<'a> {
         })?;
         // Only now is the text known to be UTF-8: the scan checks it as it ends (a member is
         // handed over before the bytes after it are checked).
-        let fields = spans.map(|span| {
-            span.map(|(start, end)| {
+        // A plain loop: `spans.map` compiled to an out-of-line array map (about 360
+        // instructions a request in session 58's profile).
+        let mut fields = [None; FIELDS_LEN];
+        for (field, span) in fields.iter_mut().zip(spans) {
+            if let Some((start, end)) = span {
                 // The scan checked the text as UTF-8 (all of it ASCII, or checked whole), and
                 // a value starts and ends at ASCII bytes (its first byte, and a quote,
                 // bracket, letter or digit last): a character boundary each.
                 let bytes = &raw[start..end];
                 debug_assert!(std::str::from_utf8(bytes).is_ok());
                 // SAFETY: as said above, `bytes` is UTF-8.
-                unsafe { std::str::from_utf8_unchecked(bytes) }
-            })
-        });
+                *field = Some(unsafe { std::str::from_utf8_unchecked(bytes) });
+            }
+        }
         Some(Payload { raw, fields, plain })
     }
 
