@@ -64,6 +64,7 @@ from llmsched._tokens import MAX_TOKEN_ID, TokensLike, as_token_array, raise_out
 from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
     ConfigError,
+    EventLoopError,
     FlowRejected,
     InvalidRequestError,
     InvalidTypeError,
@@ -1552,7 +1553,9 @@ class Scheduler:
 
     def admit_sync(self, request: ScheduleRequest) -> Admission:
         """:meth:`admit` for code without a running event loop (it blocks the calling thread
-        until the request is dispatched; RuntimeError inside a running loop)."""
+        until the request is dispatched). With flow control, inside a running loop it raises
+        :class:`~llmsched.errors.EventLoopError` (a RuntimeError) naming ``await
+        scheduler.admit(request)``; without flow control nothing waits, and it admits."""
         if self.flow is None:
             if not isinstance(request, ScheduleRequest):
                 raise InvalidRequestError(
@@ -1560,11 +1563,8 @@ class Scheduler:
                 )
             self._count("admitted")
             return Admission(None, self.next_request_id(), 0.0)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # no loop in this thread: the usual case
-            return asyncio.run(self.admit(request))
-        raise RuntimeError("admit_sync() inside a running event loop: await admit() instead")
+        _refuse_in_a_running_loop("admit_sync", "admission = await scheduler.admit(request)")
+        return asyncio.run(self.admit(request))
 
     def place(
         self,
@@ -1706,7 +1706,13 @@ class Scheduler:
     def schedule_sync(self, request: ScheduleRequest) -> Placement:
         """:meth:`schedule` for code without an event loop (admission blocks the thread):
         the :class:`Placement` returned is the context manager (``with
-        scheduler.schedule_sync(request) as placement:``)."""
+        scheduler.schedule_sync(request) as placement:``). With flow control, inside a running
+        event loop it raises :class:`~llmsched.errors.EventLoopError` (a RuntimeError) naming
+        ``async with scheduler.schedule(request) as placement:``, and admits nothing."""
+        if self.flow is not None:
+            _refuse_in_a_running_loop(
+                "schedule_sync", "async with scheduler.schedule(request) as placement:"
+            )
         return self._placed(request, self.admit_sync(request))
 
     def _placed(self, request: ScheduleRequest, admission: Admission) -> Placement:
@@ -1934,6 +1940,23 @@ class _Scheduling:
 
     def __exit__(self, *exc_info: object) -> None:
         """Never reached: :meth:`__enter__` raises."""
+
+
+def _refuse_in_a_running_loop(call: str, instead: str) -> None:
+    """:class:`~llmsched.errors.EventLoopError` when this thread runs an event loop: the
+    blocking ``Scheduler.<call>()`` would stall it (or need a second loop); ``instead`` is the
+    form to use there.
+
+    >>> _refuse_in_a_running_loop("admit_sync", "await scheduler.admit(request)")  # no loop
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread: the usual case
+        return
+    raise EventLoopError(
+        f"Scheduler.{call}() blocks its thread, and this thread has a running event loop: "
+        f"use `{instead}` there"
+    )
 
 
 def _also_eligible(decision: Decision, considered: list[EndpointId]) -> list[EndpointId]:
