@@ -218,3 +218,23 @@ def test_sync_calls_inside_a_running_loop_name_the_form_to_await() -> None:
     assert issubclass(EventLoopError, RuntimeError)
     assert s.stats()["admitted"] == 0
     assert s.flow is not None and s.flow.running_count() == 0
+
+
+def test_start_sync_inside_a_running_loop_names_await_start() -> None:
+    """``start_sync()`` inside a running event loop quietly started the feeds on threads of
+    their own, beside the loop that ``await start()`` would have used (an engine change then
+    restarted them on the loop's thread, blocking it). It raises EventLoopError naming
+    ``await scheduler.start()`` and starts nothing; outside a loop it starts them."""
+    s = scheduler()
+
+    async def main() -> None:
+        with pytest.raises(EventLoopError, match=r"await scheduler\.start\(\)"):
+            s.start_sync()
+        assert not s.started and not scraper_threads()
+
+    asyncio.run(asyncio.wait_for(main(), LIMIT_S))
+    s.start_sync()
+    try:
+        assert s.started and len(scraper_threads()) == 1
+    finally:
+        s.stop_sync()

@@ -1377,7 +1377,12 @@ class Scheduler:
     def start_sync(self) -> None:
         """Starts the feeds on threads of their own (for code without an event loop). A no-op
         when started; safe to call from several threads at once (one start wins, and a
-        :meth:`stop_sync` meanwhile waits for it and then stops what it started)."""
+        :meth:`stop_sync` meanwhile waits for it and then stops what it started). On a thread
+        whose event loop is running it raises :class:`~llmsched.errors.EventLoopError` (a
+        RuntimeError) naming ``await scheduler.start()`` and starts nothing: there the feeds
+        belong on that loop (an engine change would restart threads' feeds on the loop's
+        thread, blocking it)."""
+        _refuse_in_a_running_loop("start_sync", "await scheduler.start()")
         with self._lifecycle:
             if self._mode is not None:
                 return
