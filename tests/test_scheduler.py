@@ -1025,3 +1025,27 @@ def test_the_scheduler_runs_without_the_integrations_extra() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["a", "http://10.0.0.7:8000/"]
+
+
+@pytest.mark.parametrize("how", ["schedule_sync", "place"])
+def test_a_placement_under_async_with_names_the_right_form_and_ends(how: str) -> None:
+    """``async with scheduler.schedule_sync(...)`` (or ``place``) got Python's own TypeError
+    (3.10: AttributeError) and the placement it had made stayed open, its in-flight counts
+    held, for as long as anything referenced it. Now an InvalidTypeError (a TypeError) names
+    ``async with scheduler.schedule(request)`` and the plain ``with``, and the placement is
+    cancelled at once. (With flow control ``schedule_sync`` refuses a running loop first.)"""
+    s = Scheduler(["a"], router="round-robin")
+    request = ScheduleRequest(tokens=PROMPT)
+    made: list[Placement] = []
+
+    async def main() -> None:
+        placement = getattr(s, how)(request)
+        made.append(placement)
+        async with placement:
+            pass
+
+    with pytest.raises(InvalidTypeError, match=r"async with scheduler\.schedule\(request\)"):
+        asyncio.run(main())
+    assert made[0].outcome == "cancelled"
+    assert s.stats()["cancelled"] == 1
+    at_rest(s)

@@ -699,6 +699,20 @@ class Placement:
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         self.end_for(exc_type)
 
+    async def __aenter__(self) -> NoReturn:
+        # ``async with`` where a plain ``with`` belongs: Python's own error named neither form,
+        # and the placement, made before the statement could fail, stayed open. Cancelled as
+        # a cancelled block's exit would (it ends whatever its output count holds).
+        self.end_for(asyncio.CancelledError)
+        raise InvalidTypeError(
+            "a Placement (from Scheduler.schedule_sync() or place()) is entered with a plain "
+            "`with`; async code uses `async with scheduler.schedule(request) as placement:` "
+            "(this placement was cancelled: its slot and in-flight counts are given back)"
+        )
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Never reached: :meth:`__aenter__` raises."""
+
     def end_for(self, exc_type: type[BaseException] | None) -> bool:
         """Ends the placement as a context manager's exit does: no exception completes it, a
         cancellation (:class:`asyncio.CancelledError`, KeyboardInterrupt) cancels it, any
