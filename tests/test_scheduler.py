@@ -1049,3 +1049,41 @@ def test_a_placement_under_async_with_names_the_right_form_and_ends(how: str) ->
     assert made[0].outcome == "cancelled"
     assert s.stats()["cancelled"] == 1
     at_rest(s)
+
+
+def test_dropped_admissions_and_placements_give_their_slots_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An Admission or a Placement dropped without being ended kept its flow-control slot (and
+    the placement its count in ``stats()["in_flight"]``) for good, where a Decision finishes
+    itself. Collected, they give them back, warn once through logging and count in
+    ``stats()["dropped"]``; ended normally, nothing is released again or counted."""
+    import gc
+    import logging
+
+    s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 3}})
+    assert s.flow is not None
+    admission = s.admit_sync(ScheduleRequest(tokens=PROMPT))
+    placement = s.schedule_sync(ScheduleRequest(tokens=PROMPT))
+    cycle = s.schedule_sync(ScheduleRequest(tokens=PROMPT))
+    cycle.output_tokens = 5
+    cycle.__dict__["me"] = cycle  # only the cycle collector frees it, its admission beside it
+    assert s.flow.running_count() == 3 and s.stats()["in_flight"] == 2
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        del admission, placement, cycle
+        gc.collect()
+    at_rest(s)
+    stats = s.stats()
+    # The placements' own admissions are counted with them, not again.
+    assert (stats["dropped"], stats["cancelled"], stats["completed"]) == (3, 2, 0)
+    warned = [r for r in caplog.records if "without being ended" in r.getMessage()]
+    assert len(warned) == 1, caplog.records
+
+    with s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as ended:
+        pass
+    released = s.admit_sync(ScheduleRequest(tokens=PROMPT))
+    assert released.release()
+    del ended, released
+    gc.collect()
+    assert s.stats()["dropped"] == 3 and s.stats()["completed"] == 1
+    at_rest(s)
