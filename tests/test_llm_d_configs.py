@@ -921,3 +921,22 @@ def test_utilization_detector_in_a_profile_filters_with_headroom() -> None:
     pool.update("e0", waiting=9, kv_cache_usage=0.0, now=0.0)
     decision = Router(pool, config=cfg).pick(tokens=list(range(64)), now=0.0)
     assert decision.endpoint == "e2"  # all over a limit: all kept, the shortest queue wins
+
+
+def test_a_trailing_empty_document_is_read_as_llm_d_reads_it(tmp_path: Path) -> None:
+    """A file ending in an empty ``---`` document (as editors and templating leave one) was
+    refused ("expected a single document in the stream"), where llm-d's Go loader reads the
+    first document. An empty trailing document is accepted; a second document with content is
+    still refused, naming its line."""
+    text = (CORPUS / "llmd-precise-data-layer.yaml").read_text()
+    for tail in ("---\n", "---\n# nothing here\n", "---\n---\n", "--- \n...\n"):
+        path = tmp_path / "trailing.yaml"
+        path.write_text(text.rstrip("\n") + "\n" + tail)
+        router = Router(EndpointPool(["a"]), config=path)
+        assert router.profiles == [
+            p["name"] for p in corpus("llmd-precise-data-layer.yaml")["schedulingProfiles"]
+        ], tail
+    path.write_text(text + "---\nplugins: []\n")
+    lines = len(text.splitlines())
+    with pytest.raises(ConfigError, match=rf"found another document at line {lines + 1}"):
+        Router(EndpointPool(["a"]), config=path)
