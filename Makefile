@@ -111,9 +111,17 @@ servers: ## Install the servers the tests start (Debian's nats-server)
 		else echo "nats-server missing (apt-get install nats-server): tests/test_cluster.py will skip"; fi; \
 	fi
 
+# With PYTHONDONTWRITEBYTECODE set, Python writes no .pyc, and the venv's uv install compiled
+# none: each process compiles from source every module it imports. Each `llmsched serve` (or
+# other Python process) the tests start compiled aiohttp, numpy and the gateway again, about
+# 1 CPU-s, and about 2.5 CPU-s more for kubernetes_asyncio's 1,500 modules. Where it is set, the
+# tests keep their bytecode under target/pycache instead (the venv and the source tree stay
+# without it): each module is compiled once per clone.
+PYTEST_ENV = $(if $(PYTHONDONTWRITEBYTECODE),env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(CURDIR)/target/pycache)
+
 test-python: build servers ## Run the Python tests
 	LLMSCHED_WHEEL=$$($(MAKE) -s -q --no-print-directory $(DIST)/.stamp && ls $(DIST)/llmsched-*.whl) \
-		$(PY) -m pytest -q -p no:cacheprovider
+		$(PYTEST_ENV) $(PY) -m pytest -q -p no:cacheprovider
 
 # Free-threaded CPython (PEP 703): tools/build_freethreaded_python.sh builds 3.14t into
 # .python-ft (about 5 minutes on two cores; PyO3 0.30 builds for no older free-threaded CPython),

@@ -74,29 +74,51 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 async def serve_process(config: dict[str, Any], tmp_path: Path) -> AsyncIterator[str]:
     """The real ``llmsched serve`` process with ``config`` on the running test's data plane;
     its URL. It must exit cleanly (status 0) when terminated."""
+    async with serve_processes(config, tmp_path, 1) as (url,):
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def serve_processes(
+    config: dict[str, Any], tmp_path: Path, count: int
+) -> AsyncIterator[list[str]]:
+    """``count`` real ``llmsched serve`` processes with ``config`` on the running test's data
+    plane, started side by side (a start is mostly imports: two cores run two at once); their
+    URLs. Each must exit cleanly (status 0) when terminated."""
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump({**config, "data_plane": current_plane()}))
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "llmsched",
-        "serve",
-        "--config",
-        str(path),
-        "--port",
-        "0",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "PYTHONWARNINGS": "error"},
-    )
-    try:
+    processes = [
+        await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "llmsched",
+            "serve",
+            "--config",
+            str(path),
+            "--port",
+            "0",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "PYTHONWARNINGS": "error"},
+        )
+        for _ in range(count)
+    ]
+
+    async def listening(process: asyncio.subprocess.Process) -> str:
         assert process.stdout is not None
         line = (await asyncio.wait_for(process.stdout.readline(), timeout=60)).decode()
         assert "listening on http://" in line, line
-        yield line.split("listening on ")[1].split()[0]
+        return line.split("listening on ")[1].split()[0]
+
+    try:
+        yield list(await asyncio.gather(*(listening(process) for process in processes)))
     finally:
-        process.terminate()
-        assert await asyncio.wait_for(process.wait(), timeout=20) == 0
+        for process in processes:
+            process.terminate()
+        codes = await asyncio.gather(
+            *(asyncio.wait_for(process.wait(), timeout=20) for process in processes)
+        )
+        assert codes == [0] * count, codes
 
 
 @dataclass

@@ -73,26 +73,40 @@ class Replica:
 
 @contextlib.asynccontextmanager
 async def _replicas(configs: list[dict[str, Any]], tmp_path: Path) -> AsyncIterator[list[Replica]]:
-    replicas: list[Replica] = []
+    """One ``llmsched serve`` process per config, started side by side (each start is mostly
+    imports, which two cores run two at a time) and stopped side by side; each must exit 0."""
+    processes: list[asyncio.subprocess.Process] = []
+    started: list[asyncio.subprocess.Process] = []
     try:
         for i, config in enumerate(configs):
             path = tmp_path / f"gateway-{i}.yaml"
             path.write_text(yaml.safe_dump(config))
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                *("-m", "llmsched", "serve", "--config", str(path), "--port", "0"),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, "PYTHONWARNINGS": "error"},
+            processes.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    *("-m", "llmsched", "serve", "--config", str(path), "--port", "0"),
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env={**os.environ, "PYTHONWARNINGS": "error"},
+                )
             )
+
+        async def listening(process: asyncio.subprocess.Process) -> Replica:
             assert process.stdout is not None
             line = (await asyncio.wait_for(process.stdout.readline(), timeout=60)).decode()
             assert "listening on http://" in line, line
-            replicas.append(Replica(process, line.split("listening on ")[1].split()[0]))
+            return Replica(process, line.split("listening on ")[1].split()[0])
+
+        replicas = list(await asyncio.gather(*(listening(p) for p in processes)))
+        started = [replica.process for replica in replicas]
         yield replicas
     finally:
-        for replica in replicas:
-            await replica.stop()
+        for process in processes:
+            if process.returncode is None:
+                process.terminate()
+        await asyncio.gather(*(asyncio.wait_for(p.wait(), timeout=20) for p in processes))
+        # A process that never listened has its own error above; each replica exits cleanly.
+        assert [p.returncode for p in started] == [0] * len(started)
 
 
 async def _sync_totals(

@@ -25,7 +25,14 @@ import yaml
 
 pytest.importorskip("kubernetes_asyncio")
 
-from _gateway_harness import MODEL, current_plane, plane, run, serve_process, until  # noqa: F401
+from _gateway_harness import (  # noqa: F401
+    MODEL,
+    current_plane,
+    plane,
+    run,
+    serve_processes,
+    until,
+)
 
 from llmsched.errors import ConfigError
 from llmsched.gateway import make_gateway
@@ -183,9 +190,22 @@ async def serving(
     tmp_path: Path, api: FakeKubeAPI, port: int, **fields: Any
 ) -> AsyncIterator[Client]:
     """The real ``llmsched serve`` on the pods of ``api``, with a client session."""
+    async with serving_many(tmp_path, api, port, 1, **fields) as (client,):
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def serving_many(
+    tmp_path: Path, api: FakeKubeAPI, port: int, count: int, **fields: Any
+) -> AsyncIterator[list[Client]]:
+    """``count`` real ``llmsched serve`` processes on the pods of ``api``, started side by side,
+    with a client session."""
     config = pods_config(tmp_path, api.url, port, **fields)
-    async with serve_process(config, tmp_path) as url, aiohttp.ClientSession() as session:
-        yield Client(session, url)
+    async with (
+        serve_processes(config, tmp_path, count) as urls,
+        aiohttp.ClientSession() as session,
+    ):
+        yield [Client(session, url) for url in urls]
 
 
 @contextlib.asynccontextmanager
@@ -406,8 +426,10 @@ def test_session_tokens_name_pods_as_llm_d_does_across_processes(tmp_path: Path)
             api.put_pod(NS, "engine-a", APP, "127.0.0.2")
             api.put_pod(NS, "engine-b", APP, "127.0.0.3")
             minted = _token(f"{NS}/engine-b")  # llm-d's token for pod llm/engine-b
-            for process in range(2):  # each a fresh process, knowing no session
-                async with serving(tmp_path, api, port, router=router) as client:
+            # Each a fresh process, knowing no session: the second is sent nothing before its
+            # turn (both start side by side, as a start is mostly imports).
+            async with serving_many(tmp_path, api, port, 2, router=router) as clients:
+                for process, client in enumerate(clients):
                     await client.wait_routed(a)
                     await client.wait_routed(b)
                     before_a, before_b = len(a.received), len(b.received)

@@ -921,3 +921,47 @@ def test_utilization_detector_in_a_profile_filters_with_headroom() -> None:
     pool.update("e0", waiting=9, kv_cache_usage=0.0, now=0.0)
     decision = Router(pool, config=cfg).pick(tokens=list(range(64)), now=0.0)
     assert decision.endpoint == "e2"  # all over a limit: all kept, the shortest queue wins
+
+
+@pytest.mark.parametrize(
+    ("plugin", "why"),
+    [
+        ("data-parallel-profile-handler", "one endpoint per rank"),
+        ("request-attribute-reporter", "Envoy dynamic metadata"),
+        ("latency-scorer", "latency prediction"),
+        ("predicted-latency-producer", "latency prediction"),
+        ("slo-headroom-tier-filter", "latency prediction"),
+        ("latency-slo-admitter", "latency prediction"),
+    ],
+)
+def test_llm_d_plugins_without_a_counterpart_are_refused_by_name(plugin: str, why: str) -> None:
+    """These llm-d plugins were refused only as unknown types ("known types: ..."), saying
+    neither that llm-d has them nor what to use; each is now refused by name with the reason,
+    as encode-filter and passthrough-parser are."""
+    cfg = corpus("llmd-precise-data-layer.yaml")
+    cfg["plugins"].append({"type": plugin})
+    at = len(cfg["plugins"]) - 1
+    with pytest.raises(ConfigError, match=rf"plugins\[{at}\]\.type") as err:
+        Router(EndpointPool(["a"]), config=cfg)
+    message = str(err.value)
+    assert f'"{plugin}" is not supported' in message and why in message
+    assert "known types" not in message
+
+
+def test_a_trailing_empty_document_is_read_as_llm_d_reads_it(tmp_path: Path) -> None:
+    """A file ending in an empty ``---`` document (as editors and templating leave one) was
+    refused ("expected a single document in the stream"), where llm-d's Go loader reads the
+    first document. An empty trailing document is accepted; a second document with content is
+    still refused, naming its line."""
+    text = (CORPUS / "llmd-precise-data-layer.yaml").read_text()
+    for tail in ("---\n", "---\n# nothing here\n", "---\n---\n", "--- \n...\n"):
+        path = tmp_path / "trailing.yaml"
+        path.write_text(text.rstrip("\n") + "\n" + tail)
+        router = Router(EndpointPool(["a"]), config=path)
+        assert router.profiles == [
+            p["name"] for p in corpus("llmd-precise-data-layer.yaml")["schedulingProfiles"]
+        ], tail
+    path.write_text(text + "---\nplugins: []\n")
+    lines = len(text.splitlines())
+    with pytest.raises(ConfigError, match=rf"found another document at line {lines + 1}"):
+        Router(EndpointPool(["a"]), config=path)

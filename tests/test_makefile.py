@@ -24,6 +24,9 @@ echo "$(basename "$0") $*" >> "{log}"
 {extra}
 """
 
+# The venv's Python also logs what it would do with bytecode: its two variables, as it sees them.
+_BYTECODE = 'echo "bytecode ${PYTHONDONTWRITEBYTECODE-unset} ${PYTHONPYCACHEPREFIX-}" >> "{log}"'
+
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
@@ -41,7 +44,7 @@ def tree(tmp_path: Path) -> Path:
     stand_ins = {
         "maturin": "touch python/llmsched/_llmsched.abi3.so",
         "cargo": "",
-        "python": "",
+        "python": _BYTECODE.replace("{log}", str(log)),
     }
     for name, extra in stand_ins.items():
         (bin_dir / name).write_text(_LOGGER.format(log=log, extra=extra))
@@ -100,3 +103,15 @@ def test_make_test_builds_the_harness_before_cargo_test(tree: Path) -> None:
     (tree / "calls.log").unlink()
     alone = [call for call in _make(tree, "test-rust") if call.startswith("cargo ")]
     assert alone[0] == "cargo test --workspace", alone
+
+
+def test_make_test_python_keeps_bytecode_where_the_environment_writes_none(tree: Path) -> None:
+    """With PYTHONDONTWRITEBYTECODE set, every Python process the tests start compiled all it
+    imports from source: the tests' bytecode goes to target/pycache instead, once. Without it,
+    Python's own __pycache__ is left alone."""
+    calls = _make(tree, "test-python", PYTHONDONTWRITEBYTECODE="1")
+    bytecode = [call for call in calls if call.startswith("bytecode ")]
+    assert bytecode == [f"bytecode unset {tree / 'target' / 'pycache'}"], calls
+    (tree / "calls.log").unlink()
+    calls = _make(tree, "test-python", PYTHONDONTWRITEBYTECODE="")
+    assert [call for call in calls if call.startswith("bytecode ")] == ["bytecode  "], calls

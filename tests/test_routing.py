@@ -888,3 +888,27 @@ def test_set_loras_takes_a_single_name_as_one_adapter() -> None:
     assert {router.pick(tokens=[1], lora="sql-adapter", now=0.0).endpoint for _ in range(8)} == {
         "b"
     }
+
+
+def test_a_decision_under_async_with_names_the_plain_with_and_finishes() -> None:
+    """``async with router.pick(...)`` got Python's own TypeError (3.10: AttributeError), naming
+    neither form, and a decision started before it stayed in flight while referenced. Now an
+    InvalidTypeError (a TypeError) names ``with router.pick(...) as decision:``, and the
+    decision is finished at once."""
+    import asyncio
+
+    from llmsched.errors import InvalidTypeError
+
+    pool = EndpointPool(["a"], stale_policy="ignore")
+    router = Router(pool, config="least-load")
+    d = router.pick(tokens=[1, 2, 3], now=0.0)
+    d.started(now=0.0)
+
+    async def main() -> None:
+        async with d:  # type: ignore[attr-defined]
+            pass
+
+    with pytest.raises(InvalidTypeError, match=r"`with router\.pick\(\.\.\.\) as decision:`"):
+        asyncio.run(main())
+    assert d.stage == "finished"
+    assert pool.endpoints()[0]["in_flight_requests"] == 0

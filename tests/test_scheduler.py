@@ -1025,3 +1025,65 @@ def test_the_scheduler_runs_without_the_integrations_extra() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["a", "http://10.0.0.7:8000/"]
+
+
+@pytest.mark.parametrize("how", ["schedule_sync", "place"])
+def test_a_placement_under_async_with_names_the_right_form_and_ends(how: str) -> None:
+    """``async with scheduler.schedule_sync(...)`` (or ``place``) got Python's own TypeError
+    (3.10: AttributeError) and the placement it had made stayed open, its in-flight counts
+    held, for as long as anything referenced it. Now an InvalidTypeError (a TypeError) names
+    ``async with scheduler.schedule(request)`` and the plain ``with``, and the placement is
+    cancelled at once. (With flow control ``schedule_sync`` refuses a running loop first.)"""
+    s = Scheduler(["a"], router="round-robin")
+    request = ScheduleRequest(tokens=PROMPT)
+    made: list[Placement] = []
+
+    async def main() -> None:
+        placement = getattr(s, how)(request)
+        made.append(placement)
+        async with placement:
+            pass
+
+    with pytest.raises(InvalidTypeError, match=r"async with scheduler\.schedule\(request\)"):
+        asyncio.run(main())
+    assert made[0].outcome == "cancelled"
+    assert s.stats()["cancelled"] == 1
+    at_rest(s)
+
+
+def test_dropped_admissions_and_placements_give_their_slots_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An Admission or a Placement dropped without being ended kept its flow-control slot (and
+    the placement its count in ``stats()["in_flight"]``) for good, where a Decision finishes
+    itself. Collected, they give them back, warn once through logging and count in
+    ``stats()["dropped"]``; ended normally, nothing is released again or counted."""
+    import gc
+    import logging
+
+    s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 3}})
+    assert s.flow is not None
+    admission = s.admit_sync(ScheduleRequest(tokens=PROMPT))
+    placement = s.schedule_sync(ScheduleRequest(tokens=PROMPT))
+    cycle = s.schedule_sync(ScheduleRequest(tokens=PROMPT))
+    cycle.output_tokens = 5
+    cycle.__dict__["me"] = cycle  # only the cycle collector frees it, its admission beside it
+    assert s.flow.running_count() == 3 and s.stats()["in_flight"] == 2
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        del admission, placement, cycle
+        gc.collect()
+    at_rest(s)
+    stats = s.stats()
+    # The placements' own admissions are counted with them, not again.
+    assert (stats["dropped"], stats["cancelled"], stats["completed"]) == (3, 2, 0)
+    warned = [r for r in caplog.records if "without being ended" in r.getMessage()]
+    assert len(warned) == 1, caplog.records
+
+    with s.schedule_sync(ScheduleRequest(tokens=PROMPT)) as ended:
+        pass
+    released = s.admit_sync(ScheduleRequest(tokens=PROMPT))
+    assert released.release()
+    del ended, released
+    gc.collect()
+    assert s.stats()["dropped"] == 3 and s.stats()["completed"] == 1
+    at_rest(s)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from llmsched import Scheduler, ScheduleRequest
-from llmsched.errors import InvalidTypeError
+from llmsched.errors import EventLoopError, InvalidTypeError
 from llmsched.integrations import EngineSpec, MetricsScraper
 
 LIMIT_S = 30.0
@@ -200,3 +200,41 @@ def test_schedule_under_a_plain_with_names_async_with() -> None:
     assert scheduler.flow is not None and scheduler.flow.running_count() == 0
     with scheduler.schedule_sync(ScheduleRequest(tokens=[1, 2])) as placement:
         assert placement.endpoint == "a"
+
+
+def test_sync_calls_inside_a_running_loop_name_the_form_to_await() -> None:
+    """``admit_sync`` / ``schedule_sync`` inside a running event loop raised a builtin
+    RuntimeError (not one of ``llmsched.errors``); now an EventLoopError (still a
+    RuntimeError) naming the awaitable form, with nothing admitted."""
+    s = Scheduler(["a"], flow={"saturation": {"type": "concurrency", "max_requests": 1}})
+
+    async def main() -> None:
+        with pytest.raises(EventLoopError, match=r"await scheduler\.admit\(request\)"):
+            s.admit_sync(ScheduleRequest(tokens=[1, 2]))
+        with pytest.raises(EventLoopError, match=r"async with scheduler\.schedule\(request\)"):
+            s.schedule_sync(ScheduleRequest(tokens=[1, 2]))
+
+    asyncio.run(asyncio.wait_for(main(), LIMIT_S))
+    assert issubclass(EventLoopError, RuntimeError)
+    assert s.stats()["admitted"] == 0
+    assert s.flow is not None and s.flow.running_count() == 0
+
+
+def test_start_sync_inside_a_running_loop_names_await_start() -> None:
+    """``start_sync()`` inside a running event loop quietly started the feeds on threads of
+    their own, beside the loop that ``await start()`` would have used (an engine change then
+    restarted them on the loop's thread, blocking it). It raises EventLoopError naming
+    ``await scheduler.start()`` and starts nothing; outside a loop it starts them."""
+    s = scheduler()
+
+    async def main() -> None:
+        with pytest.raises(EventLoopError, match=r"await scheduler\.start\(\)"):
+            s.start_sync()
+        assert not s.started and not scraper_threads()
+
+    asyncio.run(asyncio.wait_for(main(), LIMIT_S))
+    s.start_sync()
+    try:
+        assert s.started and len(scraper_threads()) == 1
+    finally:
+        s.stop_sync()

@@ -8,9 +8,10 @@ or :func:`read_document`, so they accept the same inputs and fail the same way:
 * an ``os.PathLike`` is a file; a ``str`` is a file too, unless it is blank, holds a newline,
   starts with ``{`` or ``[``, or names no file and contains ``:`` (then it is YAML / JSON text);
 * files ending in ``.json`` are parsed as JSON, everything else as YAML (a superset of JSON);
-  an empty document is an empty mapping. A number written with an exponent (``1e-3``,
-  ``1.5e3``) is a number, as in JSON, YAML 1.2 and llm-d's Go loader (PyYAML's YAML 1.1 reads
-  those two as strings); quoted, it stays a string.
+  an empty document is an empty mapping, and a YAML file holds one document (empty ones after
+  it, a trailing ``---``, are passed over, as llm-d's Go loader reads the first). A number
+  written with an exponent (``1e-3``, ``1.5e3``) is a number, as in JSON, YAML 1.2 and llm-d's
+  Go loader (PyYAML's YAML 1.1 reads those two as strings); quoted, it stays a string.
 
 Errors are :class:`~llmsched.errors.ConfigError` naming what was being read and the file:
 ``"flow config: cannot read 'flow.yaml': does not exist"``,
@@ -353,6 +354,31 @@ def _unique_keys_loader() -> Any:
                         )
                     seen.add(key)
             return super().construct_mapping(node, deep=deep)
+
+        def get_single_node(self) -> Any:
+            # PyYAML's, but an empty document after the first (a trailing `---`, as editors
+            # and templates leave one) is passed over: llm-d's Go loader reads the first
+            # document. One with content is refused as PyYAML refuses it.
+            self.get_event()  # type: ignore[no-untyped-call]  # the stream start
+            document = None
+            if not self.check_event(yaml.StreamEndEvent):
+                document = self.compose_document()
+            while not self.check_event(yaml.StreamEndEvent):
+                start = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+                extra = self.compose_document()
+                if not (
+                    isinstance(extra, yaml.ScalarNode)
+                    and extra.tag == "tag:yaml.org,2002:null"
+                    and extra.value == ""
+                ):
+                    raise yaml.composer.ComposerError(
+                        "expected a single document in the stream",
+                        None if document is None else document.start_mark,
+                        "but found another document",
+                        start,
+                    )
+            self.get_event()  # type: ignore[no-untyped-call]  # the stream end
+            return document
 
     # YAML 1.1 (PyYAML) reads a float only with a dot and a signed exponent: `1e-3` and
     # `1.5e3` were strings, so a threshold written so failed as "expected f64". YAML 1.2,

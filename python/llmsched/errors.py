@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ConfigError",
     "DuplicateRequestError",
+    "EventLoopError",
     "FlowRejected",
     "GatewayStoppedError",
     "HashChainError",
@@ -129,6 +130,13 @@ class PolicyError(LlmschedError, RuntimeError):
 
 class GatewayStoppedError(LlmschedError, RuntimeError):
     """A call on a native gateway that is not serving (stopped, or never started)."""
+
+
+class EventLoopError(LlmschedError, RuntimeError):
+    """A blocking ``*_sync`` call (:meth:`Scheduler.admit_sync <llmsched.Scheduler.admit_sync>`,
+    ``schedule_sync``, ``start_sync``) on a thread whose asyncio event loop is running: it would
+    block the loop, or need a second one. The message names the form to ``await`` instead;
+    nothing was changed. Subclasses ``RuntimeError`` (what it was before)."""
 
 
 class InvalidValueError(LlmschedError, ValueError):

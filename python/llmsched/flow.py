@@ -352,10 +352,15 @@ class FlowController:
         *,
         now: float | None = None,
         ticket: int | None = None,
+        wake: bool = True,
     ) -> None:
         """Marks a dispatched request finished (or revoked); charges ``output_tokens`` not yet
         reported to its tenant and frees its in-flight share. Raises
         :class:`~llmsched.errors.UnknownRequestError` when it is not running.
+
+        ``wake=False`` leaves the waiting :meth:`admit` calls to the next :meth:`pump` or
+        :meth:`poll` (each polls at least every ``poll_interval_s``) instead of pumping here:
+        for a finalizer, which may run inside a pump, under its lock.
 
         ``ticket`` (an :meth:`admit`'s ``decision.ticket``) completes only the request that
         admit was given: when ``request_id`` runs for another caller (its own request ended
@@ -379,7 +384,7 @@ class FlowController:
                 "stale release of request %s (ticket %s): it runs for another", request_id, ticket
             )
             return
-        if self._waiters:
+        if wake and self._waiters:
             self.pump()
 
     def record_output(

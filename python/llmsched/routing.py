@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -1267,6 +1267,18 @@ class Decision:
         tb: TracebackType | None,
     ) -> None:
         self.finished()
+
+    async def __aenter__(self) -> NoReturn:
+        # ``async with`` where a plain ``with`` belongs: Python's own error named neither form.
+        self.finished()
+        raise InvalidTypeError(
+            "a Decision is entered with a plain `with router.pick(...) as decision:` (the pick "
+            "does not wait), in async code too (this decision was finished: its in-flight "
+            "counts are given back)"
+        )
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Never reached: :meth:`__aenter__` raises."""
 
     def explain(self, limit: int | None = EXPLAIN_ROWS) -> Explanation:
         """Per profile, per endpoint: every scorer's clamped score, the weighted total, the

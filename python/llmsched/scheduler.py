@@ -64,6 +64,7 @@ from llmsched._tokens import MAX_TOKEN_ID, TokensLike, as_token_array, raise_out
 from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
     ConfigError,
+    EventLoopError,
     FlowRejected,
     InvalidRequestError,
     InvalidTypeError,
@@ -372,11 +373,26 @@ class Admission:
     (it carries the ``ticket`` of its admit, :attr:`FlowDecision.ticket
     <llmsched.flow.FlowDecision.ticket>`; built with ``ticket=None`` it acts by id).
 
+    An admission collected while it still holds its slot gives it back then, as a dropped
+    :class:`~llmsched.Decision` finishes itself (waiters in the queue are woken at flow
+    control's next pump or poll), and ``on_drop(what, id)`` is called (a scheduler's
+    admissions count in ``Scheduler.stats()["dropped"]`` and warn once): release it.
+
     >>> Scheduler(["a"]).admit_sync(ScheduleRequest(tokens=[1])).holds_slot
     False
     """
 
-    __slots__ = ("_flow", "_lock", "_open", "_recorded", "_ticket", "id", "queued_s")
+    __slots__ = (
+        "_flow",
+        "_lock",
+        "_on_drop",
+        "_open",
+        "_owned",
+        "_recorded",
+        "_ticket",
+        "id",
+        "queued_s",
+    )
 
     def __init__(
         self,
@@ -385,11 +401,15 @@ class Admission:
         queued_s: float,
         *,
         ticket: int | None = None,
+        on_drop: Callable[[str, int], None] | None = None,
     ) -> None:
         self._flow = flow
         self._lock = threading.Lock()
         self._open = flow is not None
         self._ticket = ticket
+        self._on_drop = on_drop
+        # Owned by a placement, which releases it when it ends (or is collected unended).
+        self._owned = False
         # Output tokens record_output charged (a placement that owns this admission charges
         # only the rest of its count when it ends).
         self._recorded = 0
@@ -443,6 +463,32 @@ class Admission:
     def __repr__(self) -> str:
         return f"Admission(id={self.id}, queued_s={self.queued_s:.3g}, holds={self._open})"
 
+    def __del__(self) -> None:
+        # Collected still holding its slot: give it back, as a dropped Decision does. Not
+        # through complete()'s pump, which a collection may interrupt under its lock. An
+        # admission its placement owns is the placement's to release (both are collected
+        # together; in a cycle, in either order).
+        if getattr(self, "_open", False) and not self._owned:
+            self._release_collected(0, self._on_drop)
+
+    def _release_collected(
+        self, output_tokens: int, on_drop: Callable[[str, int], None] | None
+    ) -> None:
+        """Gives the slot back for a finalizer (charging ``output_tokens``), then calls
+        ``on_drop``; never raises."""
+        with self._lock:
+            if not self._open:
+                return
+            self._open = False
+        try:
+            assert self._flow is not None
+            with contextlib.suppress(UnknownRequestError):  # revoked meanwhile
+                self._flow.complete(self.id, output_tokens, ticket=self._ticket, wake=False)
+            if on_drop is not None:
+                on_drop("an Admission", self.id)
+        except Exception:  # a finalizer raises to nobody: say it
+            log.exception("releasing a collected Admission of request %s failed", self.id)
+
 
 @dataclass(frozen=True)
 class _Attempt:
@@ -461,7 +507,10 @@ class Placement:
     Call :meth:`first_token` when the first token arrives, :meth:`add_output_tokens` as output
     streams, :meth:`retry` when an attempt failed before the engine ran it, and end it with
     :meth:`complete`, :meth:`fail` or :meth:`cancel` (the ``schedule`` context managers do it
-    on exit). Ending it twice is a no-op returning False.
+    on exit). Ending it twice is a no-op returning False. A placement collected unended is
+    cancelled then (its in-flight counts and the slot of an admission it owns go back, as a
+    dropped :class:`~llmsched.Decision` finishes itself), warned of once through logging and
+    counted in ``Scheduler.stats()["dropped"]``.
     """
 
     def __init__(
@@ -479,6 +528,8 @@ class Placement:
         self._request = request
         self._admission = admission
         self._owns = owns_admission
+        if owns_admission and admission is not None:
+            admission._owned = True
         self._attempt: _Attempt | None = attempt
         # The pick: a retry starts it again on a fallback (no new pick, see ``retry``).
         self._first = attempt.decision
@@ -698,6 +749,49 @@ class Placement:
     def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
         self.end_for(exc_type)
 
+    def __del__(self) -> None:
+        # Collected unended: cancelled, as a dropped Decision finishes itself (the admission
+        # it owns released without complete()'s pump, which a collection may interrupt).
+        if getattr(self, "_outcome", "never built") is not None:
+            return
+        with self._lock:
+            if self._outcome is not None:
+                return
+            self._outcome = "cancelled"
+            attempt, self._attempt = self._attempt, None
+        try:
+            try:
+                if attempt is not None:
+                    self._scheduler._end_attempt(attempt, self._request, failed=False)
+            finally:
+                admission = self._admission
+                if self._owns and admission is not None:
+                    try:  # what its admission's record_output charged is not charged again
+                        tokens = _check_output_tokens("output_tokens", self.output_tokens)
+                    except LlmschedError:
+                        tokens = 0
+                    # Counted here, with its placement, not as an admission of its own.
+                    admission._release_collected(max(tokens - admission._recorded, 0), None)
+                self._scheduler._placement_ended("cancelled")
+                request_id = None if admission is None else admission.id
+                self._scheduler._collected_unended("a Placement", request_id)
+        except Exception:  # a finalizer raises to nobody: say it
+            log.exception("cancelling a collected Placement failed")
+
+    async def __aenter__(self) -> NoReturn:
+        # ``async with`` where a plain ``with`` belongs: Python's own error named neither form,
+        # and the placement, made before the statement could fail, stayed open. Cancelled as
+        # a cancelled block's exit would (it ends whatever its output count holds).
+        self.end_for(asyncio.CancelledError)
+        raise InvalidTypeError(
+            "a Placement (from Scheduler.schedule_sync() or place()) is entered with a plain "
+            "`with`; async code uses `async with scheduler.schedule(request) as placement:` "
+            "(this placement was cancelled: its slot and in-flight counts are given back)"
+        )
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Never reached: :meth:`__aenter__` raises."""
+
     def end_for(self, exc_type: type[BaseException] | None) -> bool:
         """Ends the placement as a context manager's exit does: no exception completes it, a
         cancellation (:class:`asyncio.CancelledError`, KeyboardInterrupt) cancels it, any
@@ -888,9 +982,13 @@ class Scheduler:
             self._enter_place(engine.endpoint.id)
         self.pool.add_many(engine.endpoint for engine in listed)
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        # Reentrant: a placement or an admission collected unended counts itself under it
+        # (``_collected_unended``), and a collection may run on a thread that holds it.
+        self._lock = threading.RLock()
+        self._drop_warned = False
         self._counts: dict[str, int] = dict.fromkeys(
             (
+                "dropped",
                 "admitted",
                 "rejected",
                 "no_endpoint",
@@ -1376,7 +1474,12 @@ class Scheduler:
     def start_sync(self) -> None:
         """Starts the feeds on threads of their own (for code without an event loop). A no-op
         when started; safe to call from several threads at once (one start wins, and a
-        :meth:`stop_sync` meanwhile waits for it and then stops what it started)."""
+        :meth:`stop_sync` meanwhile waits for it and then stops what it started). On a thread
+        whose event loop is running it raises :class:`~llmsched.errors.EventLoopError` (a
+        RuntimeError) naming ``await scheduler.start()`` and starts nothing: there the feeds
+        belong on that loop (an engine change would restart threads' feeds on the loop's
+        thread, blocking it)."""
+        _refuse_in_a_running_loop("start_sync", "await scheduler.start()")
         with self._lifecycle:
             if self._mode is not None:
                 return
@@ -1514,6 +1617,22 @@ class Scheduler:
         with self._lock:
             self._counts[key] += n
 
+    def _collected_unended(self, what: str, request_id: int | None) -> None:
+        """Counts an admission or a placement collected unended (``stats()["dropped"]``);
+        the first is warned of. (for their finalizers)"""
+        with self._lock:
+            self._counts["dropped"] += 1
+            first, self._drop_warned = not self._drop_warned, True
+        if first:
+            of = "" if request_id is None else f" of request {request_id}"
+            log.warning(
+                "%s%s was garbage-collected without being ended: its slot was given back "
+                "then (end it: complete(), fail() or cancel(), or its with block; release() "
+                "for an admission); further ones are counted in Scheduler.stats()['dropped']",
+                what,
+                of,
+            )
+
     def _flow_request(self, request: ScheduleRequest, request_id: int) -> FlowRequest:
         return FlowRequest(
             request_id,
@@ -1548,11 +1667,15 @@ class Scheduler:
             ) from None
         self._count("admitted")
         queued_s = time.perf_counter() - before
-        return Admission(self.flow, request_id, queued_s, ticket=decision.ticket)
+        return Admission(
+            self.flow, request_id, queued_s, ticket=decision.ticket, on_drop=self._collected_unended
+        )
 
     def admit_sync(self, request: ScheduleRequest) -> Admission:
         """:meth:`admit` for code without a running event loop (it blocks the calling thread
-        until the request is dispatched; RuntimeError inside a running loop)."""
+        until the request is dispatched). With flow control, inside a running loop it raises
+        :class:`~llmsched.errors.EventLoopError` (a RuntimeError) naming ``await
+        scheduler.admit(request)``; without flow control nothing waits, and it admits."""
         if self.flow is None:
             if not isinstance(request, ScheduleRequest):
                 raise InvalidRequestError(
@@ -1560,11 +1683,8 @@ class Scheduler:
                 )
             self._count("admitted")
             return Admission(None, self.next_request_id(), 0.0)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # no loop in this thread: the usual case
-            return asyncio.run(self.admit(request))
-        raise RuntimeError("admit_sync() inside a running event loop: await admit() instead")
+        _refuse_in_a_running_loop("admit_sync", "admission = await scheduler.admit(request)")
+        return asyncio.run(self.admit(request))
 
     def place(
         self,
@@ -1706,7 +1826,13 @@ class Scheduler:
     def schedule_sync(self, request: ScheduleRequest) -> Placement:
         """:meth:`schedule` for code without an event loop (admission blocks the thread):
         the :class:`Placement` returned is the context manager (``with
-        scheduler.schedule_sync(request) as placement:``)."""
+        scheduler.schedule_sync(request) as placement:``). With flow control, inside a running
+        event loop it raises :class:`~llmsched.errors.EventLoopError` (a RuntimeError) naming
+        ``async with scheduler.schedule(request) as placement:``, and admits nothing."""
+        if self.flow is not None:
+            _refuse_in_a_running_loop(
+                "schedule_sync", "async with scheduler.schedule(request) as placement:"
+            )
         return self._placed(request, self.admit_sync(request))
 
     def _placed(self, request: ScheduleRequest, admission: Admission) -> Placement:
@@ -1889,6 +2015,7 @@ class Scheduler:
             engines=engines,
             draining=draining,
             config_warnings=len(self.warnings),
+            dropped=counts["dropped"],
         )
 
     def __repr__(self) -> str:
@@ -1934,6 +2061,23 @@ class _Scheduling:
 
     def __exit__(self, *exc_info: object) -> None:
         """Never reached: :meth:`__enter__` raises."""
+
+
+def _refuse_in_a_running_loop(call: str, instead: str) -> None:
+    """:class:`~llmsched.errors.EventLoopError` when this thread runs an event loop: the
+    blocking ``Scheduler.<call>()`` would stall it (or need a second loop); ``instead`` is the
+    form to use there.
+
+    >>> _refuse_in_a_running_loop("admit_sync", "await scheduler.admit(request)")  # no loop
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread: the usual case
+        return
+    raise EventLoopError(
+        f"Scheduler.{call}() blocks its thread, and this thread has a running event loop: "
+        f"use `{instead}` there"
+    )
 
 
 def _also_eligible(decision: Decision, considered: list[EndpointId]) -> list[EndpointId]:

@@ -737,6 +737,10 @@ class SchedulerStats(TypedDict):
     """Engines out of routing (:meth:`llmsched.Scheduler.drain`); they keep their state."""
     config_warnings: int
     """Notes about a configuration that will route badly (see ``Scheduler.warnings``)."""
+    dropped: int
+    """Admissions and placements garbage-collected without being ended (their slots were
+    given back then; the first one is warned of through logging). A placement's own
+    admission counts with it."""
 
 
 class ScrapeSettings(TypedDict, total=False):

@@ -31,7 +31,9 @@
 //! endpoints have role `prefill`, the others `decode`); a request the router splits is
 //! prefilled there, its KV (the blocks the decode replica does not hold) moves at
 //! `transfer_bw` after `transfer_latency_s`, and the decode replica admits it with all but its
-//! last prompt token computed.
+//! last prompt token computed. Preempted there, it is readmitted as a local request: its blocks
+//! were freed, and what its prefix cache no longer holds is recomputed as prefill on the decode
+//! replica (vLLM loads a remote prefill's KV once).
 //!
 //! Token slices: with a [`SliceTracker`], a request decodes in slices; at each slice boundary
 //! the tracker weighs the replica's queue against the switch cost and the request continues in
@@ -232,7 +234,10 @@ struct Req {
     router: usize,
     /// Split by the router: the replica that decodes it after its prefill elsewhere.
     decode_replica: Option<usize>,
-    /// Its KV arrived from a prefill replica (all but the last prompt token are computed).
+    /// Its KV arrived from a prefill replica (all but the last prompt token are computed at
+    /// its next admission). Cleared when it is preempted: its blocks are freed, and vLLM loads
+    /// the remote KV once (the connector clears `do_remote_prefill`), so the readmission is a
+    /// local request that recomputes what its prefix cache no longer holds.
     kv_ready: bool,
     /// Token slices: this call stops when `generated` reaches it (0: no slices).
     call_end: u64,
@@ -1975,6 +1980,7 @@ impl Replica {
         q.version += 1;
         q.preemptions += 1;
         q.readmitting = true;
+        q.kv_ready = false;
         self.counters.preemptions += 1;
         self.wait(victim, true, w);
         Ok(())
@@ -2468,6 +2474,31 @@ mod tests {
         assert_eq!(decode.prefill_tokens, 6); // one token each: the KV came by transfer
                                               // Each transfer of 1024 tokens at 1 MB/s takes about a second before the first token.
         assert!(out.done.iter().all(|r| r.first_token - r.arrival > 1.0));
+    }
+
+    #[test]
+    fn pd_readmission_on_the_decode_replica_recomputes() {
+        // 162 blocks on each replica, 4 seats: 12 answers of 1024 + 600 tokens do not fit
+        // together on the decode replica, which preempts. A readmission is a local request:
+        // what its prefix cache no longer holds is prefilled again there (it used to start with
+        // all but one token computed, its transferred KV taken as still there).
+        let plan = burst(12, 1024, 600, |_| 0);
+        let mut cfg = config(2);
+        cfg.prefill_replicas = 1;
+        cfg.kv_blocks = 162;
+        cfg.max_num_seqs = 4;
+        let out = run(cfg, "pd", &plan, None);
+        assert!(out.done.iter().all(|r| !r.rejected && r.generated == 600));
+        let (prefill, decode) = (out.replicas[0].counters, out.replicas[1].counters);
+        assert_eq!(prefill.prefill_tokens, 12 * 1024);
+        assert_eq!(prefill.preemptions, 0);
+        assert!(decode.preemptions > 0);
+        // One token at each admission is new (the last prompt token, or the token sampled
+        // before the preemption); the rest of a readmission's prefill is recompute.
+        assert!(decode.recomputed_tokens > 1024, "{decode:?}");
+        assert_eq!(decode.prefill_tokens, 12 + decode.preemptions + decode.recomputed_tokens);
+        // Counted once per replica, at the first admission: no content is shared.
+        assert_eq!((decode.hit_tokens, decode.query_tokens), (0, 12 * 1024));
     }
 
     #[test]

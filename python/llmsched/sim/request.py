@@ -106,7 +106,7 @@ class Request:
         self.join_step = 0
         self.join_gen = 0
         self.kv_started = False
-        self.kv_ready = False  # P/D: the KV arrives by transfer, no prefill compute
+        self.kv_ready = False  # P/D: the KV arrives by transfer (cleared when preempted)
         self.version = 0
         self.replica: Any = None
         self.prefill_replica: Any = None

@@ -234,6 +234,38 @@ const REFUSED_TYPES: &[(&str, &str)] = &[
         "is not supported: the gateway speaks OpenAI's HTTP API to the engines, not vLLM's gRPC",
     ),
     (
+        "data-parallel-profile-handler",
+        "is not supported: a data-parallel engine is one endpoint per rank here (list each \
+         rank's port as an engine) with the single-profile-handler",
+    ),
+    (
+        "request-attribute-reporter",
+        "is not supported: it sets Envoy dynamic metadata from the response, and the gateway \
+         is no Envoy external processor (it counts the response's tokens itself, in flow \
+         control and its metrics)",
+    ),
+    (
+        "latency-scorer",
+        "is not supported: latency prediction (llm-d's latency-predictor sidecar) is not; \
+         score load with queue-scorer, kv-cache-utilization-scorer or load-aware-scorer",
+    ),
+    (
+        "predicted-latency-producer",
+        "is not supported: latency prediction (llm-d's latency-predictor sidecar) is not; \
+         score load with queue-scorer, kv-cache-utilization-scorer or load-aware-scorer",
+    ),
+    (
+        "slo-headroom-tier-filter",
+        "is not supported: latency prediction (llm-d's latency-predictor sidecar) is not; \
+         requests with deadlines are ordered by flow control's `edf` or `slo-deadline` \
+         ordering policy",
+    ),
+    (
+        "latency-slo-admitter",
+        "is not supported: latency prediction (llm-d's latency-predictor sidecar) is not; \
+         admission is the gateway's flow control (its `flow` section)",
+    ),
+    (
         "vertexai-parser",
         "is not supported: the gateway parses OpenAI completions and chat completions \
          (llm-d's openai-parser)",

@@ -366,6 +366,9 @@ class Replica:
         victim.version += 1
         victim.preemptions += 1
         victim.readmitting = True
+        # P/D: the transferred KV is loaded once; readmitted, the request is a local one that
+        # recomputes what its prefix cache no longer holds (as the Rust engine does).
+        victim.kv_ready = False
         self.preemptions += 1
         self._wait(victim, front=True)
 
