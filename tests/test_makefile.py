@@ -55,8 +55,14 @@ def tree(tmp_path: Path) -> Path:
 
 def _make(tree: Path, *args: str, **env: str) -> list[str]:
     """Runs make in ``tree``; the stand-ins' calls logged so far."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("MAKE", "MFLAGS"))}
-    environ.pop("RUSTFLAGS", None)
+    # A clean environment: under `make test` this process inherits the outer make's variables
+    # (TEST_RUST_AFTER, TEST_RUST_PREFIX, MAKEFLAGS) and PYTHONPYCACHEPREFIX, which would decide
+    # the copy's behaviour instead of the Makefile.
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if k in ("PATH", "HOME", "LANG", "TMPDIR") or k.startswith(("RUSTUP_", "CARGO_HOME"))
+    }
     # No real server is installed or looked for (`servers` installs nats-server when missing).
     command = ["make", "--no-print-directory", "VENV=venv", "NATS_SERVER=/bin/true", *args]
     done = subprocess.run(
