@@ -22,7 +22,7 @@ from llmsched import (
     Router,
     UnknownEndpointError,
 )
-from llmsched.errors import InvalidValueError, PlacementError
+from llmsched.errors import InvalidTypeError, InvalidValueError, PlacementError
 from llmsched.routing import config_info, load_config, render_messages, text_tokens
 
 PD_YAML = """
@@ -464,6 +464,53 @@ def test_python_plugins() -> None:
     config["plugins"][0]["parameters"] = {"function": lambda r, e: [True] * 5}
     with pytest.raises(InvalidValueError, match=r'plugin "no-a" .* returned 5 values for 3'):
         Router(pool, config=config).pick(tokens=[1])
+
+
+def test_a_python_plugin_returning_the_wrong_thing_is_told_what_it_returned() -> None:
+    """Probe 99: every wrong return value got the same message; it now names what came back
+    (a generator, the first item that is no number or bool), without consuming an iterator."""
+    pool = EndpointPool(["a", "b", "c"], stale_policy="ignore")
+
+    def router(kind: str, fn: Any) -> Router:
+        config = {
+            "plugins": [{"type": kind, "name": "mine", "parameters": {"function": fn}}],
+            "schedulingProfiles": [{"name": "p", "plugins": [{"pluginRef": "mine"}]}],
+        }
+        return Router(pool, config=config)
+
+    cases = [
+        ("python-scorer", lambda r, e: (0.5 for _ in e), r"one number per endpoint: got generator"),
+        ("python-scorer", lambda r, e: None, r"got NoneType None"),
+        ("python-scorer", lambda r, e: [0.5, None, 0.5], r"item 1 is NoneType None"),
+        ("python-scorer", lambda r, e: ["0.1"] * 3, r"item 0 is str '0.1'"),
+        ("python-scorer", lambda r, e: "abc", r"got str 'abc'"),
+        ("python-filter", lambda r, e: [1, 0, 1], r"one bool per endpoint: item 0 is int 1"),
+        (
+            "python-filter",
+            lambda r, e: np.array([1.0, 0.0, 1.0]),
+            r"got ndarray array\(\[1\., 0\., 1\.\]\)",
+        ),
+    ]
+    for kind, fn, message in cases:
+        with pytest.raises(InvalidTypeError, match=r'plugin "mine" \(function <lambda>\) must '):
+            router(kind, fn).pick(tokens=[1])
+        with pytest.raises(InvalidTypeError, match=message):
+            router(kind, fn).pick(tokens=[1])
+    # What is accepted: any sequence of numbers (numpy included; bools read as 0 and 1) for a
+    # scorer, of bools (numpy's too) for a filter.
+    assert (
+        router("python-scorer", lambda r, e: np.array([0.1, 0.9, 0.2])).pick(tokens=[1]).endpoint
+        == "b"
+    )
+    assert (
+        router("python-scorer", lambda r, e: (False, True, False)).pick(tokens=[1]).endpoint == "b"
+    )
+    assert (
+        router("python-filter", lambda r, e: np.array([False, True, False]))
+        .pick(tokens=[1])
+        .endpoint
+        == "b"
+    )
 
 
 def test_a_python_plugin_is_named_by_its_import_path_in_a_config_file(
