@@ -6,6 +6,7 @@ in its Rust half before `cargo test`."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -44,6 +45,8 @@ def tree(tmp_path: Path) -> Path:
     stand_ins = {
         "maturin": "touch python/llmsched/_llmsched.abi3.so",
         "cargo": "",
+        "ruff": "",
+        "mypy": "",
         "python": _BYTECODE.replace("{log}", str(log)),
     }
     for name, extra in stand_ins.items():
@@ -109,6 +112,29 @@ def test_make_test_builds_the_harness_before_cargo_test(tree: Path) -> None:
     (tree / "calls.log").unlink()
     alone = [call for call in _make(tree, "test-rust") if call.startswith("cargo ")]
     assert alone[0] == "cargo test --workspace", alone
+
+
+def test_lint_is_its_quick_half_and_clippy_and_ci_runs_both(tree: Path) -> None:
+    """`.ci/run` runs `make lint` as two targets, `lint-quick` alone and `clippy` beside the
+    wheel's build: `make lint` runs exactly their two sets of checks, and CI names both (or
+    `lint` itself)."""
+    _make(tree, "build")
+    runs: dict[str, list[str]] = {}
+    for target in ("lint", "lint-quick", "clippy"):
+        (tree / "calls.log").unlink()
+        runs[target] = _make(tree, target)
+    clippy = "cargo clippy --release --workspace --all-targets --all-features -- -D warnings"
+    assert runs["clippy"] == [clippy], runs["clippy"]
+    assert any(call.startswith("mypy") for call in runs["lint-quick"]), runs["lint-quick"]
+    assert sorted(runs["lint"]) == sorted(runs["lint-quick"] + runs["clippy"])
+    targets = {
+        word
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.startswith("step make ")
+        for word in shlex.split(line, comments=True)[2:]
+        if not word.startswith("-") and "=" not in word
+    }
+    assert "lint" in targets or {"lint-quick", "clippy"} <= targets, targets
 
 
 def test_make_test_python_keeps_bytecode_where_the_environment_writes_none(tree: Path) -> None:

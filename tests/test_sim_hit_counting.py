@@ -3,7 +3,10 @@
 counted every lookup, those whose blocks then did not fit (looked up again at the next step)
 and each readmission after a preemption (which finds its own blocks cached): 24 requests
 sharing no content, preempted 78 times on one small replica, read a 30% hit rate over 134,318
-tokens queried, for 7,200 prompt tokens."""
+tokens queried, for 7,200 prompt tokens.
+
+The shared-prefix P/D case's hits are checked in ``tests/test_sim_pd_preemption.py``, on the
+run that checks its recompute."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _sim_pd import pd_scenario
 
 from llmsched.sim import ScenarioConfig, Simulation
 
@@ -133,20 +137,6 @@ def test_a_slice_continuation_is_counted_after_an_earlier_preemption(
     assert summary["prefix_hit_rate"] == pytest.approx(304 / 512)
 
 
-def _pd(workload: dict[str, Any], kv_tokens: int) -> ScenarioConfig:
-    # One prefill and one decode replica; the decode replica's KV holds fewer answers than
-    # arrive, so decoding requests are preempted there and readmitted.
-    return ScenarioConfig.from_dict(
-        {
-            "replicas": 2,
-            "metrics_delay_s": 0.0,
-            "engine": {"kv_tokens": kv_tokens, "max_num_seqs": 4},
-            "pd": {"prefill_replicas": 1, "transfer_bw": 1e9, "transfer_latency_s": 0.01},
-            "workload": {**workload, "arrival": {"process": "constant", "rate": 1000.0}},
-        }
-    )
-
-
 @pytest.mark.parametrize("engine", ["rust", "python"])
 def test_pd_requests_preempted_on_their_decode_replica_are_counted_once_there(
     engine: str,
@@ -164,7 +154,7 @@ def test_pd_requests_preempted_on_their_decode_replica_are_counted_once_there(
         "short_output": 600,
         "length_cv": 0.0,
     }
-    sim = Simulation(_pd(workload, 2600), "llm-d-pd", engine=engine)
+    sim = Simulation(pd_scenario(workload, 2600), "llm-d-pd", engine=engine)
     summary = sim.run().summary()
     assert summary["completed"] == 12 and summary["preemptions"] > 0
     assert sim.record is not None
@@ -174,32 +164,3 @@ def test_pd_requests_preempted_on_their_decode_replica_are_counted_once_there(
     assert (prefill.hit_tokens, prefill.query_tokens) == (0, prompts)
     assert (decode.hit_tokens, decode.query_tokens) == (0, prompts)
     assert summary["prefix_hit_rate"] == 0.0
-
-
-def test_pd_hits_under_preemption_are_counted_once_and_alike_on_both_engines() -> None:
-    """Shared prefixes, P/D, preemptions on the decode replica: every request is queried once
-    on the decode replica (prompts split or served whole there), those split once more on the
-    prefill replica, and both engines find the same hits."""
-    workload = {
-        "kind": "shared_prefix",
-        "num_requests": 8,
-        "num_groups": 1,
-        "system_prompt_len": 512,
-        "question_len": 512,
-        "output_len": 600,
-    }
-    counts = []
-    for engine in ("rust", "python"):
-        sim = Simulation(_pd(workload, 2048), "llm-d-pd", engine=engine)
-        summary = sim.run().summary()
-        assert summary["completed"] == 8 and summary["preemptions"] > 0
-        assert sim.record is not None
-        prompts = int(sim.record.requests["prompt"].sum())
-        prefill, decode = sim.replicas
-        assert decode.query_tokens == prompts
-        # Some split, each prefilled once there: what was not a hit was computed.
-        assert prefill.preemptions == 0
-        assert prefill.query_tokens == prefill.prefill_tokens + prefill.hit_tokens < prompts
-        assert 0 < decode.hit_tokens < decode.query_tokens
-        counts.append([(rep.hit_tokens, rep.query_tokens) for rep in sim.replicas])
-    assert counts[0] == counts[1]

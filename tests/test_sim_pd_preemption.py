@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import pytest
+from _sim_pd import pd_scenario
 
 from llmsched.sim import ScenarioConfig, Simulation
 
@@ -26,20 +27,6 @@ THRASHING_WORKLOAD: dict[str, Any] = {
     "short_output": 600,
     "length_cv": 0.0,
 }
-
-
-def _pd(workload: dict[str, Any], kv_tokens: int) -> ScenarioConfig:
-    # One prefill and one decode replica; the decode replica's KV holds fewer answers than
-    # arrive, so decoding requests are preempted there and readmitted.
-    return ScenarioConfig.from_dict(
-        {
-            "replicas": 2,
-            "metrics_delay_s": 0.0,
-            "engine": {"kv_tokens": kv_tokens, "max_num_seqs": 4},
-            "pd": {"prefill_replicas": 1, "transfer_bw": 1e9, "transfer_latency_s": 0.01},
-            "workload": {**workload, "arrival": {"process": "constant", "rate": 1000.0}},
-        }
-    )
 
 
 class _Admissions:
@@ -79,7 +66,7 @@ def test_a_readmission_on_the_decode_replica_recomputes_its_evicted_prompt() -> 
     with what its prefix cache still holds, and the rest is prefilled there. Some readmissions
     find prompt blocks evicted; those prompt tokens are recomputed (main prefilled 1 token per
     admission, 23 in all, and recomputed nothing)."""
-    sim = Simulation(_pd(THRASHING_WORKLOAD, 2600), "llm-d-pd", engine="python")
+    sim = Simulation(pd_scenario(THRASHING_WORKLOAD, 2600), "llm-d-pd", engine="python")
     assert sim.reference is not None
     decode_replica = sim.reference.replicas[1]
     watch = _Admissions(decode_replica)
@@ -125,7 +112,7 @@ def test_the_recompute_is_counted_once_and_the_engines_agree(engine: str) -> Non
     """Both engines: the readmissions' recompute on the decode replica is prefill work there
     (and recompute); the prefix-cache counters still count each request once per replica (no
     content shared: no hits), and the two engines give the same requests and counters."""
-    sim = Simulation(_pd(THRASHING_WORKLOAD, 2600), "llm-d-pd", engine=engine)
+    sim = Simulation(pd_scenario(THRASHING_WORKLOAD, 2600), "llm-d-pd", engine=engine)
     summary = sim.run().summary()
     assert summary["completed"] == 12 and summary["preemptions"] == 11
     assert sim.record is not None
@@ -140,15 +127,20 @@ def test_the_recompute_is_counted_once_and_the_engines_agree(engine: str) -> Non
     assert (decode.hit_tokens, decode.query_tokens) == (0, prompts)
     assert (prefill.hit_tokens, prefill.query_tokens) == (0, prompts)
     other = Simulation(
-        _pd(THRASHING_WORKLOAD, 2600), "llm-d-pd", engine="python" if engine == "rust" else "rust"
+        pd_scenario(THRASHING_WORKLOAD, 2600),
+        "llm-d-pd",
+        engine="python" if engine == "rust" else "rust",
     )
     other.run()
     assert _snapshot(sim) == _snapshot(other)
 
 
-def test_shared_prefixes_under_preemption_alike_on_both_engines() -> None:
-    """Shared prefixes: a readmission finds the group's prompt blocks cached (they are shared)
-    and recomputes the rest; hits counted once per replica; both engines agree."""
+def test_shared_prefixes_under_preemption_counted_once_and_alike_on_both_engines() -> None:
+    """Shared prefixes, P/D, preemptions on the decode replica. Hits (probe 76): every request
+    is queried once on the decode replica (prompts split or served whole there), those split
+    once more on the prefill replica. Recompute (probe 92): a readmission finds the group's
+    prompt blocks cached (they are shared) and recomputes the rest. Both engines give the same
+    requests and counters."""
     workload = {
         "kind": "shared_prefix",
         "num_requests": 8,
@@ -159,14 +151,21 @@ def test_shared_prefixes_under_preemption_alike_on_both_engines() -> None:
     }
     snapshots = []
     for engine in ("rust", "python"):
-        sim = Simulation(_pd(workload, 2048), "llm-d-pd", engine=engine)
+        sim = Simulation(pd_scenario(workload, 2048), "llm-d-pd", engine=engine)
         summary = sim.run().summary()
         assert summary["completed"] == 8 and summary["preemptions"] > 0
         assert sim.record is not None
-        decode = sim.replicas[1]
-        assert decode.query_tokens == int(sim.record.requests["prompt"].sum())
+        prompts = int(sim.record.requests["prompt"].sum())
+        prefill, decode = sim.replicas
+        assert decode.query_tokens == prompts
+        # Some split, each prefilled once there: what was not a hit was computed.
+        assert prefill.preemptions == 0
+        assert prefill.query_tokens == prefill.prefill_tokens + prefill.hit_tokens < prompts
+        assert 0 < decode.hit_tokens < decode.query_tokens
         assert decode.recomputed_tokens > 0
         snapshots.append(_snapshot(sim))
+    # The whole runs alike: the requests' columns, and each replica's prefill, recompute, hit
+    # and query tokens and preemptions.
     assert snapshots[0] == snapshots[1]
 
 

@@ -980,36 +980,51 @@ mod tests {
         })
     }
 
+    /// A byte edit of a body: where, what (0 replaces the byte there, 1 inserts one before it,
+    /// 2 removes it) and which byte.
+    type Edit = (proptest::sample::Index, u8, u8);
+
+    /// Up to two edits of a generated body, anywhere in it or at its end, with JSON's
+    /// punctuation, escapes, controls, bytes past ASCII and a few plain bytes.
+    fn edits() -> impl proptest::strategy::Strategy<Value = Vec<Edit>> {
+        proptest::collection::vec(
+            (
+                proptest::prelude::any::<proptest::sample::Index>(),
+                0..3u8,
+                proptest::sample::select(b"\"\\\x01\x1f\x7f\xff\xc3\xa9u{}[],:0-.eE d8 ".to_vec()),
+            ),
+            0..3,
+        )
+    }
+
+    /// `text` with `edits` made in turn (an edit past the end that has no byte to replace or
+    /// remove leaves it as it is).
+    fn edited(text: String, edits: &[Edit]) -> Vec<u8> {
+        let mut raw = text.into_bytes();
+        for &(at, edit, byte) in edits {
+            let at = at.index(raw.len() + 1);
+            match edit {
+                0 if at < raw.len() => raw[at] = byte,
+                1 => raw.insert(at, byte),
+                _ if at < raw.len() => {
+                    raw.remove(at);
+                }
+                _ => {}
+            }
+        }
+        raw
+    }
+
     proptest::proptest! {
         #[test]
         fn any_body_reads_as_serde_json_reads_it(
             text in body_text(),
-            edits in proptest::collection::vec(
-                (
-                    proptest::prelude::any::<proptest::sample::Index>(),
-                    0..3u8,
-                    proptest::sample::select(
-                        b"\"\\\x01\x1f\x7f\xff\xc3\xa9u{}[],:0-.eE d8 ".to_vec(),
-                    ),
-                ),
-                0..3,
-            ),
+            edits in edits(),
         ) {
             // The text as generated (JSON), then with bytes replaced, inserted or removed.
             let (ours, theirs) = both_readings(text.as_bytes());
             proptest::prop_assert_eq!(ours, theirs);
-            let mut raw = text.into_bytes();
-            for (at, edit, byte) in edits {
-                let at = at.index(raw.len() + 1);
-                match edit {
-                    0 if at < raw.len() => raw[at] = byte,
-                    1 => raw.insert(at, byte),
-                    _ if at < raw.len() => {
-                        raw.remove(at);
-                    }
-                    _ => {}
-                }
-            }
+            let raw = edited(text, &edits);
             let (ours, theirs) = both_readings(&raw);
             proptest::prop_assert_eq!(ours, theirs);
         }
@@ -1180,31 +1195,11 @@ mod tests {
         #[test]
         fn any_body_reads_as_the_old_reading_read_it(
             text in body_text(),
-            edits in proptest::collection::vec(
-                (
-                    proptest::prelude::any::<proptest::sample::Index>(),
-                    0..3u8,
-                    proptest::sample::select(
-                        b"\"\\\x01\x1f\x7f\xff\xc3\xa9u{}[],:0-.eE d8 ".to_vec(),
-                    ),
-                ),
-                0..3,
-            ),
+            edits in edits(),
         ) {
             let (new, old) = new_and_old_readings(text.as_bytes());
             proptest::prop_assert_eq!(new, old);
-            let mut raw = text.into_bytes();
-            for (at, edit, byte) in edits {
-                let at = at.index(raw.len() + 1);
-                match edit {
-                    0 if at < raw.len() => raw[at] = byte,
-                    1 => raw.insert(at, byte),
-                    _ if at < raw.len() => {
-                        raw.remove(at);
-                    }
-                    _ => {}
-                }
-            }
+            let raw = edited(text, &edits);
             let (new, old) = new_and_old_readings(&raw);
             proptest::prop_assert_eq!(new, old);
         }
