@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 
 import pytest
 from _gateway_harness import MODEL, Rig, current_plane, plane, rig, run, until  # noqa: F401 (the fixture)
@@ -506,6 +507,77 @@ def test_a_python_scorer_in_the_router_config_steers_every_request() -> None:
             assert calls == [2] * 6
 
     run(body())
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def test_a_failing_python_plugin_is_a_500_that_says_why_and_the_gateway_goes_on(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Probe 99: a Python scorer that raised (or returned what it must not) was a 400
+    ``invalid_request_error`` on the native plane (the client's fault), aiohttp's bare text 500
+    on the Python plane, where a KeyboardInterrupt or SystemExit raised by the plugin ended the
+    server. Now both planes answer 500 ``internal_error`` saying why, counted as
+    ``rejections_total{reason="routing_failed"}``, the error logged once per distinct message;
+    nothing stays taken (in-flight counts, flow slots) and the next request is served."""
+    failures: list[BaseException | list[float]] = [
+        ValueError("my plugin is broken"),
+        ValueError("my plugin is broken"),
+        KeyboardInterrupt(),
+        SystemExit(3),
+        _Unprintable(),
+        [0.5],
+    ]
+    failing: list[BaseException | list[float]] = []
+
+    def scorer(request: dict[str, object], endpoints: list[dict[str, object]]) -> list[float]:
+        if failing:
+            failure = failing.pop()
+            if isinstance(failure, BaseException):
+                raise failure
+            return failure
+        return [0.5] * len(endpoints)
+
+    async def body() -> None:
+        router = {
+            "plugins": [
+                {"type": "python-scorer", "name": "mine", "parameters": {"function": scorer}}
+            ],
+            "schedulingProfiles": [{"name": "p", "plugins": [{"pluginRef": "mine"}]}],
+        }
+        flow = {"saturation": {"type": "concurrency", "max_requests": 4}}
+        async with rig(engines=2, router=router, flow=flow) as r:
+            messages = []
+            for failure in failures:
+                failing.append(failure)
+                response = await r.complete("hello")
+                assert response.status == 500, await response.text()
+                assert response.headers["x-llmsched-dropped-reason"] == "routing_failed"
+                error = json.loads(await response.read())["error"]
+                assert error["type"] == "internal_error" and error["code"] == 500
+                assert error["message"].startswith("routing failed: ")
+                messages.append(error["message"])
+            assert "ValueError: my plugin is broken" in messages[0]
+            assert "KeyboardInterrupt" in messages[2] and "SystemExit: 3" in messages[3]
+            assert "_Unprintable" in messages[4]
+            assert 'plugin "mine" (function scorer) returned 1 values for 2' in messages[5]
+            assert not any(e.received for e in r.engines)
+            assert r.metric("llmsched_gateway_rejections_total", reason="routing_failed") == 6
+            assert all(e["in_flight_requests"] == 0 for e in r.gateway.pool.endpoints())
+            if r.gateway.flow is not None:
+                assert r.gateway.flow.running_count() == 0
+            assert (await r.complete("hello")).status == 200
+            assert all(e["in_flight_requests"] == 0 for e in r.gateway.pool.endpoints())
+
+    with caplog.at_level(logging.ERROR, logger="llmsched.gateway"):
+        run(body())
+    logged = [m for m in caplog.messages if "routing failed" in m]
+    logged += [line for line in capfd.readouterr().err.splitlines() if "routing failed" in line]
+    # Once per distinct message: the repeated ValueError is logged once.
+    assert len(logged) == 5, logged
 
 
 def test_a_cache_salt_routes_in_its_own_namespace() -> None:

@@ -22,7 +22,7 @@ from llmsched import (
     Router,
     UnknownEndpointError,
 )
-from llmsched.errors import InvalidValueError, PlacementError
+from llmsched.errors import InvalidTypeError, InvalidValueError, PlacementError
 from llmsched.routing import config_info, load_config, render_messages, text_tokens
 
 PD_YAML = """
@@ -464,6 +464,121 @@ def test_python_plugins() -> None:
     config["plugins"][0]["parameters"] = {"function": lambda r, e: [True] * 5}
     with pytest.raises(InvalidValueError, match=r'plugin "no-a" .* returned 5 values for 3'):
         Router(pool, config=config).pick(tokens=[1])
+
+
+def test_a_python_plugin_returning_the_wrong_thing_is_told_what_it_returned() -> None:
+    """Probe 99: every wrong return value got the same message; it now names what came back
+    (a generator, the first item that is no number or bool), without consuming an iterator."""
+    pool = EndpointPool(["a", "b", "c"], stale_policy="ignore")
+
+    def router(kind: str, fn: Any) -> Router:
+        config = {
+            "plugins": [{"type": kind, "name": "mine", "parameters": {"function": fn}}],
+            "schedulingProfiles": [{"name": "p", "plugins": [{"pluginRef": "mine"}]}],
+        }
+        return Router(pool, config=config)
+
+    cases = [
+        ("python-scorer", lambda r, e: (0.5 for _ in e), r"one number per endpoint: got generator"),
+        ("python-scorer", lambda r, e: None, r"got NoneType None"),
+        ("python-scorer", lambda r, e: [0.5, None, 0.5], r"item 1 is NoneType None"),
+        ("python-scorer", lambda r, e: ["0.1"] * 3, r"item 0 is str '0.1'"),
+        ("python-scorer", lambda r, e: "abc", r"got str 'abc'"),
+        ("python-filter", lambda r, e: [1, 0, 1], r"one bool per endpoint: item 0 is int 1"),
+        (
+            "python-filter",
+            lambda r, e: np.array([1.0, 0.0, 1.0]),
+            r"got ndarray array\(\[1\., 0\., 1\.\]\)",
+        ),
+    ]
+    for kind, fn, message in cases:
+        with pytest.raises(InvalidTypeError, match=r'plugin "mine" \(function <lambda>\) must '):
+            router(kind, fn).pick(tokens=[1])
+        with pytest.raises(InvalidTypeError, match=message):
+            router(kind, fn).pick(tokens=[1])
+    # What is accepted: any sequence of numbers (numpy included; bools read as 0 and 1) for a
+    # scorer, of bools (numpy's too) for a filter.
+    assert (
+        router("python-scorer", lambda r, e: np.array([0.1, 0.9, 0.2])).pick(tokens=[1]).endpoint
+        == "b"
+    )
+    assert (
+        router("python-scorer", lambda r, e: (False, True, False)).pick(tokens=[1]).endpoint == "b"
+    )
+    assert (
+        router("python-filter", lambda r, e: np.array([False, True, False]))
+        .pick(tokens=[1])
+        .endpoint
+        == "b"
+    )
+
+
+def test_a_python_plugin_is_named_by_its_import_path_in_a_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probe 99: a YAML / JSON config (``llmsched serve``'s router section) cannot hold a
+    callable, and ``function`` had to be one: a Python plugin could not be configured there
+    ("must be a callable"). It now takes ``"module:function"``; a module, attribute or
+    object that does not do is a ConfigError naming the key."""
+    (tmp_path / "my_plugins_p99.py").write_text(
+        "def prefer_b(request, endpoints):\n"
+        "    return [1.0 if e['id'] == 'b' else 0.0 for e in endpoints]\n"
+        "class Holder:\n"
+        "    @staticmethod\n"
+        "    def keep_c(request, endpoints):\n"
+        "        return [e['id'] == 'c' for e in endpoints]\n"
+        "NOT_CALLABLE = 3\n"
+    )
+    (tmp_path / "broken_plugins_p99.py").write_text("raise ValueError('at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pool = EndpointPool(["a", "b", "c"], stale_policy="ignore")
+
+    def config_file(scorer: object, name: str = "c.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(
+            "plugins:\n"
+            f"  - {{type: python-scorer, name: s, parameters: {{function: {scorer}}}}}\n"
+            "schedulingProfiles:\n"
+            "  - {name: p, plugins: [{pluginRef: s}]}\n"
+        )
+        return path
+
+    assert (
+        Router(pool, config=config_file('"my_plugins_p99:prefer_b"')).pick(tokens=[1]).endpoint
+        == "b"
+    )
+    nested = {
+        "plugins": [
+            {
+                "type": "python-filter",
+                "name": "f",
+                "parameters": {"function": "my_plugins_p99:Holder.keep_c"},
+            }
+        ],
+        "schedulingProfiles": [{"name": "p", "plugins": [{"pluginRef": "f"}]}],
+    }
+    assert Router(pool, config=nested).pick(tokens=[1]).endpoint == "c"
+    key = r"plugins\[0\]\.parameters\.function: "
+    bad = [
+        ('"my_plugins_p99.prefer_b"', key + r"must be a callable or its import path "),
+        ("3", key + r"must be a callable or its import path .*got int"),
+        ('"no_such_module_p99:f"', key + r"cannot import .*No module named 'no_such_module_p99'"),
+        ('"my_plugins_p99:nope"', key + r"cannot import .*my_plugins_p99 has no 'nope'"),
+        (
+            '"my_plugins_p99:Holder.nope"',
+            key + r"cannot import .*my_plugins_p99\.Holder has no 'nope'",
+        ),
+        (
+            '"my_plugins_p99:NOT_CALLABLE"',
+            key + r"'my_plugins_p99:NOT_CALLABLE' is not callable \(an object of type int\)",
+        ),
+        ('"broken_plugins_p99:f"', key + r"importing 'broken_plugins_p99' .*ValueError: at import"),
+    ]
+    for scorer, message in bad:
+        path = config_file(scorer)
+        with pytest.raises(ConfigError, match=message) as caught:
+            Router(pool, config=path)
+        assert str(caught.value).startswith(f"router config '{path}': ")
 
 
 def test_sessions_stick() -> None:

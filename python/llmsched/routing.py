@@ -25,6 +25,7 @@ Time: every call that depends on the clock takes ``now`` (seconds, any origin), 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import operator
 import os
@@ -1630,9 +1631,7 @@ def native_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
             if p.get("type") not in PYTHON_PLUGIN_TYPES:
                 continue
             params = dict(p.get("parameters") or {})
-            fn = params.pop("function", None)
-            if not callable(fn):
-                raise ConfigError(f"plugins[{i}].parameters.function: must be a callable")
+            fn = _plugin_function(params.pop("function", None), f"plugins[{i}].parameters.function")
             params["handle"] = len(functions)
             # Errors about what the function returned name the plugin.
             params["plugin"] = str(p.get("name") or p.get("type"))
@@ -1640,6 +1639,57 @@ def native_config(config: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
             p["parameters"] = params
         config["plugins"] = plugins
     return config, functions
+
+
+def _plugin_function(value: object, key: str) -> Callable[..., Any]:
+    """A Python plugin's ``function``: a callable, or the import path of one,
+    ``"package.module:name"`` (``name`` may be dotted: ``"module:Class.method"``), as a
+    YAML / JSON config names it; the module is imported (from ``sys.path``: the server's
+    ``PYTHONPATH``) when the config is read. ConfigError naming ``key`` otherwise.
+
+    >>> _plugin_function("operator:truth", "f") is __import__("operator").truth
+    True
+    >>> try:
+    ...     _plugin_function("operator.truth", "f")
+    ... except ConfigError as e:
+    ...     print(e)
+    f: must be a callable or its import path 'module:function', got 'operator.truth'
+    """
+    if callable(value):
+        return value
+    if not isinstance(value, str):
+        got = "nothing" if value is None else type(value).__name__
+        raise ConfigError(
+            f"{key}: must be a callable or its import path 'module:function', got {got}"
+        )
+    module_name, colon, attribute = value.partition(":")
+    if not colon or not module_name or not attribute:
+        raise ConfigError(
+            f"{key}: must be a callable or its import path 'module:function', got {value!r}"
+        )
+    try:
+        target: object = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ConfigError(
+            f"{key}: cannot import {value!r}: {exc} (modules are imported from sys.path, "
+            "which PYTHONPATH extends)"
+        ) from None
+    except Exception as exc:
+        raise ConfigError(
+            f"{key}: importing {module_name!r} of {value!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    owner = module_name
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ConfigError(f"{key}: cannot import {value!r}: {owner} has no {part!r}") from None
+        owner = f"{owner}.{part}"
+    if not callable(target):
+        raise ConfigError(
+            f"{key}: {value!r} is not callable (an object of type {type(target).__name__})"
+        )
+    return target
 
 
 def _prompt_array(

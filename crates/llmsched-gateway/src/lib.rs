@@ -453,6 +453,8 @@ struct Gateway {
     /// Lookups of unknown response ids in progress ([`Gateway::locate`]), shared by the
     /// requests naming one.
     locating: Mutex<Locating>,
+    /// The messages of the routing failures logged so far ([`Gateway::routing_failed`]).
+    routing_failures: Mutex<HashSet<String>>,
 }
 
 /// Answers cut after their head (their attempt counted as a success then), reported by their
@@ -825,6 +827,7 @@ fn build(
                 .unwrap_or(Duration::MAX),
         )),
         locating: Mutex::new(Locating::default()),
+        routing_failures: Mutex::new(HashSet::new()),
         source,
         config,
     };
@@ -1551,6 +1554,8 @@ static SESSION_HEADER_NAME: HeaderName = HeaderName::from_static(SESSION_HEADER)
 static SESSION_TOKEN_HEADER_NAME: HeaderName =
     HeaderName::from_static(session_token::SESSION_TOKEN_HEADER);
 const MAX_TOKEN_LIMIT: u64 = (1 << 31) - 1;
+/// How many distinct routing failures [`Gateway::routing_failed`] logs.
+const LOGGED_ROUTING_FAILURES: usize = 64;
 
 /// What the gateway reads of a request's head, found in one pass over its fields (a request
 /// has a few): a lookup by name hashes the name and probes the map, so a field the request
@@ -1727,6 +1732,22 @@ impl Gateway {
         } else {
             router.decide_hashes(Vec::new(), ids as u64, meta, now)
         }
+    }
+
+    /// The answer to a decision a router plugin failed (a Python scorer or filter raised, or
+    /// returned what it must not): a 500 that says why, counted in
+    /// `rejections_total{reason="routing_failed"}`, the error logged on stderr once per
+    /// distinct message (the first [`LOGGED_ROUTING_FAILURES`]). Nothing was taken for it.
+    fn routing_failed(&self, err: &RoutingError) -> Refusal {
+        let message = format!("routing failed: {err}");
+        let mut logged = self.routing_failures.lock().unwrap_or_else(|e| e.into_inner());
+        if logged.len() < LOGGED_ROUTING_FAILURES && logged.insert(message.clone()) {
+            eprintln!("llmsched-gateway: {message} (answered 500)");
+        }
+        drop(logged);
+        let mut refusal = Refusal::new(500, "internal_error", message);
+        refusal.reason = Some("routing_failed");
+        refusal
     }
 
     fn set_engines(
@@ -2654,6 +2675,7 @@ impl Gateway {
                 return Err(Refusal::new(503, "service_unavailable", "no engine is available")
                     .dropped("no-endpoints", retry_after()));
             }
+            Err(err @ RoutingError::Plugin(_)) => return Err(self.routing_failed(&err)),
             Err(err) => return Err(Refusal::new(400, "invalid_request_error", err.to_string())),
         };
         let prefill = decision.prefill().map(|p| decision.endpoint(p).address.clone());

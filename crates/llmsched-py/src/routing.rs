@@ -9,7 +9,7 @@ use crate::errors::{
 };
 use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyList, PySequence, PyString};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -250,20 +250,27 @@ struct PyCallable {
 }
 
 impl PyCallable {
+    /// Calls the function; `what`: one value of `T` as errors name it ("number", "bool").
     fn call<T>(
         &self,
         ctx: &RequestContext<'_>,
         cands: &[Candidate],
+        what: &str,
     ) -> Result<Vec<T>, Box<dyn std::error::Error + Send + Sync>>
     where
         T: for<'a, 'py> FromPyObject<'a, 'py>,
     {
         Python::attach(|py| -> PyResult<Vec<T>> {
             let request = request_dict(py, ctx)?;
-            let endpoints = cands.iter().map(|c| candidate_dict(py, ctx, c)).collect::<PyResult<Vec<_>>>()?;
+            let endpoints =
+                cands.iter().map(|c| candidate_dict(py, ctx, c)).collect::<PyResult<Vec<_>>>()?;
             let out = self.function.call1(py, (request, PyList::new(py, endpoints)?))?;
             let values: Vec<T> = out.bind(py).extract().map_err(|_| {
-                InvalidTypeError::new_err(format!("plugin {} must return a list with one number (scorer) or bool (filter) per endpoint", self.name))
+                InvalidTypeError::new_err(format!(
+                    "plugin {} must return a list with one {what} per endpoint: {}",
+                    self.name,
+                    unexpected::<T>(out.bind(py))
+                ))
             })?;
             if values.len() != cands.len() {
                 return Err(InvalidValueError::new_err(format!(
@@ -277,6 +284,34 @@ impl PyCallable {
         })
         .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
     }
+}
+
+/// What a plugin returned in place of a list of `T`, for its error: the first item that is no
+/// `T` (a list, a tuple, a numpy array), else the object's type. A generator or other
+/// iterator is not consumed.
+fn unexpected<T>(out: &Bound<'_, PyAny>) -> String
+where
+    T: for<'a, 'py> FromPyObject<'a, 'py>,
+{
+    let shown = |o: &Bound<'_, PyAny>| {
+        let kind = o.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
+        let mut text = o.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
+        if text.chars().count() > 40 {
+            text = text.chars().take(40).chain(std::iter::once('…')).collect();
+        }
+        format!("{kind} {text}")
+    };
+    if out.cast::<PySequence>().is_ok() && !out.is_instance_of::<PyString>() {
+        if let Ok(items) = out.try_iter() {
+            for (i, item) in items.enumerate() {
+                let Ok(item) = item else { break };
+                if item.extract::<T>().is_err() {
+                    return format!("item {i} is {}", shown(&item));
+                }
+            }
+        }
+    }
+    format!("got {}", shown(out))
 }
 
 fn request_dict<'py>(py: Python<'py>, ctx: &RequestContext<'_>) -> PyResult<Bound<'py, PyDict>> {
@@ -324,7 +359,7 @@ impl Scorer for PyCallable {
         cands: &[Candidate],
         out: &mut [f64],
     ) -> PluginResult {
-        let scores = self.call::<f64>(ctx, cands)?;
+        let scores = self.call::<f64>(ctx, cands, "number")?;
         // Out-of-range numbers are clamped into [0, 1]; NaN has no place to clamp to, and
         // reading it as 0 would hide the plugin's bug.
         if let Some(i) = scores.iter().position(|s| s.is_nan()) {
@@ -353,7 +388,7 @@ impl Filter for PyCallable {
         keep: &mut [bool],
         _: &mut DecisionRng,
     ) -> PluginResult {
-        keep.copy_from_slice(&self.call::<bool>(ctx, cands)?);
+        keep.copy_from_slice(&self.call::<bool>(ctx, cands, "bool")?);
         Ok(())
     }
 

@@ -355,6 +355,8 @@ class Gateway:
         self.flow = self.scheduler.flow
         kubernetes = cfg.discovery.kubernetes
         self._session_tokens = SessionTokens(None if kubernetes is None else kubernetes.namespace)
+        # The messages of the routing failures logged so far (see _routing_failed).
+        self._routing_failures: set[str] = set()
         # llm-d's session-affinity scorer answers with the serving pod's token: so does a
         # router whose profiles read the session.
         self._sets_session_tokens = self.router.config_info["session_affinity"]
@@ -1248,7 +1250,10 @@ class Gateway:
                 first = await self._response_engine(previous, incoming.deadline)
             except Refusal as refusal:
                 return self.refuse(route, refusal)
-        placement = self.place(incoming.scheduled, first=first)
+        try:
+            placement = self.place(incoming.scheduled, first=first)
+        except Refusal as refusal:
+            return self.refuse(route, refusal)
         if placement is None:
             return self.refuse(route, self._no_engine_refusal())
         self.metrics.overhead_seconds.observe(time.perf_counter() - arrived - incoming.queued_s)
@@ -1536,14 +1541,33 @@ class Gateway:
         """The scheduler's placement of an admitted request (picked and in flight), timed in
         the metrics; None when no endpoint can serve it. The caller holds the admission.
         ``first``: the engine tried first whatever the decision (it holds the request's
-        state). Package-internal."""
+        state). Raises :class:`Refusal` (see :meth:`_routing_failed`) when the decision
+        failed otherwise: a router plugin's error, whatever its class. Package-internal."""
         started = time.perf_counter()
         try:
             return self.scheduler.place(scheduled, first=first)
         except NoEndpointError:
             return None
+        except BaseException as exc:
+            # A Python scorer or filter that raised (KeyboardInterrupt and SystemExit too: on
+            # the event loop they would end the server) or returned what it must not.
+            raise self._routing_failed(exc) from exc
         finally:
             self.metrics.decision_seconds.observe(time.perf_counter() - started)
+
+    def _routing_failed(self, error: BaseException) -> Refusal:
+        """The answer to a decision a router plugin failed, as the native plane gives it: a
+        500 that says why, counted in ``rejections_total{reason="routing_failed"}``, the error
+        logged (with its traceback) once per distinct message, the first
+        :data:`_LOGGED_ROUTING_FAILURES`. Nothing was taken for the request."""
+        message = f"routing failed: {_describe_error(error)}"
+        if (
+            message not in self._routing_failures
+            and len(self._routing_failures) < _LOGGED_ROUTING_FAILURES
+        ):
+            self._routing_failures.add(message)
+            log.error("%s (answered 500)", message, exc_info=error)
+        return Refusal(500, "internal_error", message, {DROPPED_REASON_HEADER: "routing_failed"})
 
     # -- upstream ------------------------------------------------------------------------
 
@@ -2411,6 +2435,27 @@ def _limit_refusal(reason: str, wait_s: float) -> Refusal:
         f"this key's {what} limit is reached",
         {DROPPED_REASON_HEADER: reason, "Retry-After": retry_after(wait_s)},
     )
+
+
+# How many distinct routing failures Gateway._routing_failed logs.
+_LOGGED_ROUTING_FAILURES = 64
+
+
+def _describe_error(error: BaseException) -> str:
+    """``"ValueError: text"``: an exception's class and text, as a traceback's last line
+    shows them (an exception whose ``str()`` raises, too).
+
+    >>> _describe_error(ValueError("bad"))
+    'ValueError: bad'
+    >>> _describe_error(KeyboardInterrupt())
+    'KeyboardInterrupt'
+    """
+    try:
+        text = str(error)
+    except BaseException:
+        text = "<str() failed>"
+    name = type(error).__qualname__
+    return f"{name}: {text}" if text else name
 
 
 # What a request whose deadline (timeouts.total_s) passed is told.

@@ -134,7 +134,7 @@ class SlicedRequest:
             first = True
             while True:
                 body = self.asm.next_request(max(slice_tokens, 1))
-                placement = self.gateway.place(self._scheduled(body))
+                placement = self._place(body)
                 if placement is None:
                     raise SliceFailed("no engine can serve the continuation")
                 # Picked and in flight; the exit completes it, or fails it (dropping its
@@ -203,6 +203,16 @@ class SlicedRequest:
             return started
         finally:
             self.tracker.remove(self.request_id)
+
+    def _place(self, body: Mapping[str, Any]) -> Placement | None:
+        """The placement of the slice ``body`` (None: no engine can serve it); a failed
+        decision (a router plugin's error) fails the slice, as on the native plane."""
+        from llmsched.gateway.app import Refusal  # app imports this module
+
+        try:
+            return self.gateway.place(self._scheduled(body))
+        except Refusal as refusal:
+            raise SliceFailed(refusal.message) from None
 
     def uncharged_tokens(self) -> int:
         """Output tokens not yet charged to the tenant in flow control: the slice in progress
