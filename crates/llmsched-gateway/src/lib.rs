@@ -3395,13 +3395,11 @@ impl Gateway {
         let events = head.length_framed_events(&answer, &relaying);
         let (parts, body) = answer.into_parts();
         let wake = wake_at(relaying.read_timeout, relaying.deadline);
-        let read = timer
-            .within(wake, std::pin::pin!(Limited::new(body, WHOLE_LIMIT as usize).collect()))
-            .await;
+        let read = timer.within(wake, std::pin::pin!(whole_body(body, WHOLE_LIMIT))).await;
         let endpoint = relaying.endpoint.clone().unwrap_or_else(|| Arc::from(""));
         let route = relaying.route.unwrap_or("completions");
         let bytes = match read {
-            Ok(Ok(collected)) => Some(collected.to_bytes()),
+            Ok(Some(bytes)) => Some(bytes),
             // The request's deadline, not the engine, ended the read (as above).
             Err(_) if relaying.deadline_passed() => return Err(deadline_refusal()),
             _ => None,
@@ -3461,6 +3459,45 @@ impl Gateway {
         *out.headers_mut() = whole_answer_headers(parts.headers);
         Ok(out)
     }
+}
+
+/// A whole body's data read to its end: one frame's bytes as they came (no copy), several
+/// frames' copied into one, empty frames and trailers skipped; `None` when the body fails
+/// or its data passes `limit` bytes. What `Limited::new(body, limit).collect()` and
+/// `to_bytes` gave, without the list of frames and the trailers' slot a collection keeps
+/// per body (`whole_body_reads_as_the_collection_did` compares the two).
+async fn whole_body<B>(mut body: B, limit: u64) -> Option<Bytes>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    let mut first: Option<Bytes> = None;
+    let mut rest: Vec<Bytes> = Vec::new();
+    let mut left = limit;
+    while let Some(frame) = body.frame().await {
+        // Trailers are skipped; a frame with more data than is left of the limit ends the
+        // read, as `Limited` refuses it.
+        let Ok(data) = frame.ok()?.into_data() else { continue };
+        left = left.checked_sub(data.len() as u64)?;
+        if data.is_empty() {
+            continue;
+        }
+        match first {
+            None => first = Some(data),
+            Some(_) => rest.push(data),
+        }
+    }
+    Some(match first {
+        None => Bytes::new(),
+        Some(first) if rest.is_empty() => first,
+        Some(first) => {
+            let mut whole = bytes::BytesMut::with_capacity((limit - left) as usize);
+            whole.extend_from_slice(&first);
+            for data in rest {
+                whole.extend_from_slice(&data);
+            }
+            whole.freeze()
+        }
+    })
 }
 
 /// The head of a whole answer's client answer, from the engine's: `Content-Type` first (the
@@ -5587,6 +5624,44 @@ mod tests {
         }
     }
 
+    /// A body of the given frames, each ready when asked for.
+    struct Frames(std::collections::VecDeque<Result<Frame<Bytes>, &'static str>>);
+
+    impl Body for Frames {
+        type Data = Bytes;
+        type Error = &'static str;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, &'static str>>> {
+            Poll::Ready(self.0.pop_front())
+        }
+    }
+
+    /// A whole body of one frame (empty frames and trailers beside it) is that frame's
+    /// bytes, not a copy; several frames' are one copy of them all.
+    #[test]
+    fn whole_body_keeps_a_single_frame_s_bytes() {
+        let data = Bytes::from(vec![b'x'; 300]);
+        let frames = Frames(
+            [
+                Ok(Frame::data(Bytes::new())),
+                Ok(Frame::data(data.clone())),
+                Ok(Frame::trailers(HeaderMap::new())),
+            ]
+            .into(),
+        );
+        let read = futures::executor::block_on(whole_body(frames, 300)).unwrap();
+        assert_eq!(read.as_ptr(), data.as_ptr());
+        assert_eq!(read.len(), 300);
+        let frames = Frames([Ok(Frame::data(data.clone())), Ok(Frame::data(data.clone()))].into());
+        assert_eq!(futures::executor::block_on(whole_body(frames, 599)), None);
+        let frames = Frames([Ok(Frame::data(data.clone())), Ok(Frame::data(data.clone()))].into());
+        let read = futures::executor::block_on(whole_body(frames, 600)).unwrap();
+        assert_eq!(read, [&data[..], &data[..]].concat());
+    }
+
     /// An attempt's timer, as `answer_whole` borrows it.
     type Timer = &'static mut AttemptTimer<'static>;
 
@@ -5801,6 +5876,35 @@ mod tests {
                     );
                 }
             }
+        }
+
+        /// A whole answer's body is read as `Limited::new(body, limit).collect()` and
+        /// `to_bytes` read it: the same bytes, or none for a failed body or one past its
+        /// limit; frames of any size, empty ones, trailers (first, between, last) and
+        /// failures anywhere.
+        #[test]
+        fn whole_body_reads_as_the_collection_did(
+            frames in proptest::collection::vec((0u8..10, 0usize..40), 0..8),
+            limit in 0u64..160,
+        ) {
+            let made = || Frames(
+                frames
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(kind, size))| match kind {
+                        0 => Err("failed"),
+                        1 => Ok(Frame::trailers(HeaderMap::new())),
+                        _ => Ok(Frame::data(Bytes::from(vec![b'a' + i as u8; size]))),
+                    })
+                    .collect(),
+            );
+            let before = futures::executor::block_on(
+                Limited::new(made(), limit as usize).collect(),
+            )
+            .ok()
+            .map(|collected| collected.to_bytes());
+            let now = futures::executor::block_on(whole_body(made(), limit));
+            proptest::prop_assert_eq!(&now, &before);
         }
 
         /// One pass over an answer's fields reads its framing and type as the lookups did.

@@ -119,20 +119,23 @@ pub struct Decision {
 }
 
 /// A dropped decision's lists (its candidates, its profile outcomes with theirs), kept for
-/// the thread's next decision: a decision then allocates none of them anew.
+/// a later decision on the thread: a decision then allocates none of them anew.
 #[derive(Default)]
 struct Spare {
     base: Vec<Candidate>,
     outcomes: Vec<ProfileOutcome>,
 }
 
+/// How many dropped decisions' lists a thread keeps: as many decisions alive at once on a
+/// thread (requests overlapping on a gateway's thread) reuse theirs. A thread kept one set
+/// before, which a second decision alive beside the first never found (it allocated its
+/// own, and the first one's dropped set then freed the other's).
+const SPARES: usize = 16;
+
 thread_local! {
-    /// The last decision dropped on this thread left its lists here (one set: a thread with
-    /// several decisions alive allocates for the others as before). What they held is
-    /// cleared before they are written again.
-    static SPARE: std::cell::Cell<Spare> = const {
-        std::cell::Cell::new(Spare { base: Vec::new(), outcomes: Vec::new() })
-    };
+    /// The lists of the decisions last dropped on this thread, the most recent last. What
+    /// they held is cleared before they are written again.
+    static SPARE: std::cell::RefCell<Vec<Spare>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl Drop for Decision {
@@ -141,15 +144,26 @@ impl Drop for Decision {
             base: std::mem::take(&mut self.base),
             outcomes: std::mem::take(&mut self.outcomes),
         };
-        // A thread ending drops its spare first: then the lists are simply freed.
-        let _ = SPARE.try_with(|cell| cell.replace(spare));
+        // A thread ending drops its spares first: then the lists are simply freed, as are
+        // those past [`SPARES`].
+        let _ = SPARE.try_with(|cell| {
+            if let Ok(mut spares) = cell.try_borrow_mut() {
+                if spares.len() < SPARES {
+                    spares.push(spare);
+                }
+            }
+        });
     }
 }
 
-/// The spare lists of the thread's last dropped decision (empty ones when there are none, or
-/// when the thread is ending).
+/// The spare lists of the thread's last dropped decision not yet reused (empty ones when
+/// there are none, or when the thread is ending).
 fn take_spare() -> Spare {
-    SPARE.try_with(std::cell::Cell::take).unwrap_or_default()
+    SPARE
+        .try_with(|cell| cell.try_borrow_mut().ok().and_then(|mut spares| spares.pop()))
+        .ok()
+        .flatten()
+        .unwrap_or_default()
 }
 
 impl Decision {
@@ -298,7 +312,7 @@ impl Router {
             cached
         });
         let policy = self.pool.policy();
-        // On the lists of the thread's last decision (their allocations reused).
+        // On the lists of a decision dropped on this thread before (their allocations reused).
         let Spare { mut base, outcomes } = take_spare();
         base.clear();
         base.extend(

@@ -559,3 +559,58 @@ fn a_decision_on_a_dropped_decisions_lists_is_a_fresh_threads() {
         assert_eq!(decided(config, 5, split), fresh, "{label}");
     }
 }
+
+/// Decisions alive at once on a thread each leave their lists when dropped, and as many
+/// later decisions reuse them (a thread kept one set before: of three decisions alive
+/// together, the next three found one set), deciding as a fresh thread's decisions do.
+#[test]
+fn decisions_alive_together_leave_their_lists_to_as_many_later_ones() {
+    fn record(d: &Decision) -> String {
+        format!("{:?} {:?} {:?} {:?} {}", d.base, d.outcomes, d.prefill_outcome, d.pd, d.cold)
+    }
+    for name in ["round-robin", "llm-d"] {
+        let decide_three = |router: &Router, from: u32| -> Vec<Decision> {
+            (0..3)
+                .map(|i| {
+                    let tokens = prompt(40 + 8 * (from + i));
+                    router.decide(&tokens, &RequestMeta::default(), 0.0).unwrap()
+                })
+                .collect()
+        };
+        let setup = || {
+            let s = Setup::new(&["A", "B", "C"], StalePolicy::default());
+            s.store("A", &prompt(48));
+            s
+        };
+        let fresh: Vec<String> = std::thread::spawn(move || {
+            let s = setup();
+            let router = s.router(presets::preset(name).unwrap(), 5);
+            let first = decide_three(&router, 0);
+            let later = decide_three(&router, 3);
+            drop(first);
+            later.iter().map(record).collect()
+        })
+        .join()
+        .unwrap();
+        // A thread of its own: no other test's lists among its spares.
+        let (kept, reused, later) = std::thread::spawn(move || {
+            let s = setup();
+            let router = s.router(presets::preset(name).unwrap(), 5);
+            let first = decide_three(&router, 0);
+            let kept: Vec<usize> = first.iter().map(|d| d.base.as_ptr() as usize).collect();
+            drop(first);
+            let later = decide_three(&router, 3);
+            let reused: Vec<usize> = later.iter().map(|d| d.base.as_ptr() as usize).collect();
+            (kept, reused, later.iter().map(record).collect::<Vec<String>>())
+        })
+        .join()
+        .unwrap();
+        let mut sorted = kept.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 3, "{name}: three lists alive together");
+        // The most recently dropped first.
+        assert_eq!(reused, kept.iter().rev().copied().collect::<Vec<_>>(), "{name}");
+        assert_eq!(later, fresh, "{name}");
+    }
+}
