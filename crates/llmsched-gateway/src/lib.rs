@@ -1736,6 +1736,17 @@ impl Gateway {
         self.replace_engines(engines, ChangeCount::Own)
     }
 
+    /// The checks of [`token_check`] on a pick at `now` of a prompt whose ids are `kind`: run
+    /// on every pick, each slice of a sliced request included (its first call and every
+    /// continuation), as `Router.pick` runs them on each pick of the Python plane.
+    fn check_ids(&self, kind: IdKind, tokens: &[u32], meta: &RequestMeta, now: f64) {
+        match kind {
+            IdKind::TokenIds if self.token_check.due(now) => self.check_tokens(tokens, meta, now),
+            IdKind::Pseudo => self.count_pseudo(),
+            _ => {}
+        }
+    }
+
     /// Runs [`token_check`] on a prompt of token ids picked at `now` (called at most once a
     /// second); gives its warning once, through the embedder's hook or on stderr.
     fn check_tokens(&self, tokens: &[u32], meta: &RequestMeta, now: f64) {
@@ -2631,6 +2642,7 @@ impl Gateway {
                 identity.priority,
                 ids,
                 meta,
+                kind,
                 sse,
                 deadline,
                 Guards { slot, limiter },
@@ -2641,13 +2653,7 @@ impl Gateway {
         let before = monotonic();
         let decided = self.decide(&tokens, ids, &meta, before);
         self.counters.histograms.decision.observe(monotonic() - before);
-        match kind {
-            IdKind::TokenIds if self.token_check.due(before) => {
-                self.check_tokens(&tokens, &meta, before)
-            }
-            IdKind::Pseudo => self.count_pseudo(),
-            _ => {}
-        }
+        self.check_ids(kind, &tokens, &meta, before);
         let decision = match decided {
             Ok(decision) => decision,
             Err(RoutingError::NoEndpoint { .. }) => {
