@@ -9,7 +9,9 @@ or :func:`read_document`, so they accept the same inputs and fail the same way:
   starts with ``{`` or ``[``, or names no file and contains ``:`` (then it is YAML / JSON text);
 * files ending in ``.json`` are parsed as JSON, everything else as YAML (a superset of JSON);
   an empty document is an empty mapping, and a YAML file holds one document (empty ones after
-  it, a trailing ``---``, are passed over, as llm-d's Go loader reads the first). A number
+  it, a trailing ``---``, are passed over, as llm-d's Go loader reads the first; a router
+  config, llm-d's, is read with ``read_config(..., first_document=True)``, which takes the
+  first document of several and says where the rest begins). A number
   written with an exponent (``1e-3``, ``1.5e3``) is a number, as in JSON, YAML 1.2 and llm-d's
   Go loader (PyYAML's YAML 1.1 reads those two as strings); quoted, it stays a string.
 
