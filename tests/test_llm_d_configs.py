@@ -968,6 +968,48 @@ def test_utilization_detector_filter_reads_its_own_staleness_threshold() -> None
         assert all(r.removed_by is None for r in rows)
 
 
+def test_a_detector_staleness_no_longer_than_the_scrape_interval_is_noted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Now that the detector's ``metricsStalenessThreshold`` decides which endpoints it drops,
+    one no longer than the gateway's scrape interval (llm-d's 200 ms against the default
+    0.2 s) would drop every engine for part of every interval: a configuration note says so
+    when the gateway loads it (logged, in ``notes`` and the scheduler's warnings, counted in
+    ``llmsched_gateway_config_warnings`` on either plane)."""
+    from llmsched.gateway import Gateway
+    from llmsched.gateway import load_config as load_gateway_config
+
+    def gateway(threshold: str, **extra: Any) -> dict[str, Any]:
+        router = {
+            "plugins": [
+                {
+                    "type": "utilization-detector",
+                    "parameters": {"metricsStalenessThreshold": threshold},
+                },
+                {"type": "queue-scorer"},
+            ],
+        }
+        engines = [{"host": "127.0.0.1", "port": 8001}]
+        return {"engines": engines, "models": ["m"], "router": router, **extra}
+
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        notes = load_gateway_config(gateway("200ms")).notes
+    said = [n for n in notes if "metricsStalenessThreshold" in n]
+    assert len(said) == 1 and said[0].startswith(
+        "router config plugins[0].parameters.metricsStalenessThreshold: 200ms is no longer "
+        "than the scrape interval (scrape.interval_s 0.2 s)"
+    )
+    assert any(said[0] in r.getMessage() for r in caplog.records)
+    assert said[0] in Gateway(gateway("200ms")).scheduler.warnings
+    for quiet in (
+        gateway("1s"),
+        gateway("200ms", scrape={"interval_s": 0.05}),
+        gateway("50ms", scrape={"enabled": False}),
+    ):
+        notes = load_gateway_config(quiet).notes
+        assert not [n for n in notes if "metricsStalenessThreshold" in n], quiet
+
+
 @pytest.mark.parametrize(
     ("plugin", "why"),
     [
