@@ -160,6 +160,50 @@ def test_a_dispatch_for_an_admit_whose_loop_closed_gives_the_slot_back() -> None
     _left_nothing(ctrl)
 
 
+@pytest.mark.timeout(30)
+def test_an_admit_dispatched_to_a_stopped_loop_then_collected_gives_the_slot_back() -> None:
+    """A loop stopped, never closed, with an admit waiting: the dispatch meant for it is
+    queued to the loop (``call_soon_threadsafe`` takes it: the loop is not closed) and never
+    runs; when the admit's coroutine is then closed (its task collected with the loop
+    dropped), the release it arranged was a callback on that loop too, so the request ran
+    for nobody and the slot was lost. It is given back then, as when the loop closed."""
+    ctrl = FlowController(ONE_SLOT)
+    _blocked(ctrl)
+    loop = asyncio.new_event_loop()
+    try:
+        coro = ctrl.admit(FlowRequest(1))
+        task = loop.create_task(coro)
+        loop.run_until_complete(asyncio.sleep(0.01))  # runs to its wait; the loop stops
+        assert ctrl.is_queued(1) and not loop.is_running() and not loop.is_closed()
+        ctrl.complete(100)  # dispatches request 1; its decision is queued to the loop
+        assert ctrl.is_running(1) and not task.done()
+        coro.close()  # what collecting the task does
+        assert not ctrl.is_running(1)
+        _left_nothing(ctrl)
+        assert ctrl.metrics()["outcomes"]["dispatched"] == 2
+    finally:
+        loop.close()
+
+
+@pytest.mark.timeout(30)
+def test_an_admit_on_a_stopped_loop_run_again_gets_its_dispatch() -> None:
+    """The other way a stopped loop goes on: run again, the admit waiting on it gets the
+    dispatch queued meanwhile, and holds its slot until it completes."""
+    ctrl = FlowController(ONE_SLOT)
+    _blocked(ctrl)
+    loop = asyncio.new_event_loop()
+    try:
+        task = loop.create_task(ctrl.admit(FlowRequest(1)))
+        loop.run_until_complete(asyncio.sleep(0.01))
+        ctrl.complete(100)
+        decision = loop.run_until_complete(task)
+        assert decision.id == 1 and ctrl.is_running(1)
+        ctrl.complete(1)
+        _left_nothing(ctrl)
+    finally:
+        loop.close()
+
+
 @pytest.mark.timeout(60)
 def test_admits_go_by_band_then_arrival() -> None:
     """One slot, one tenant, 300 admits of random priorities queued behind it: each is

@@ -15,7 +15,7 @@ import asyncio
 import logging
 
 import pytest
-from _gateway_harness import plane, rig, run, until  # noqa: F401 (the fixture)
+from _gateway_harness import MODEL, plane, rig, run, until  # noqa: F401 (the fixture)
 
 from llmsched.routing import PSEUDO_TOKEN_NOTE, TOKEN_CHECK_AFTER_S, TOKEN_CHECK_MIN_TOKENS
 from llmsched.testing import event_batch, stored_event
@@ -60,5 +60,43 @@ def test_token_prompts_are_checked_and_text_prompts_counted_on_both_planes(
             assert PSEUDO_TOKEN_NOTE in r.gateway.scheduler.warnings
             warnings = len(r.gateway.scheduler.warnings)
             assert r.metric("llmsched_gateway_config_warnings") == warnings > 0
+
+    run(body())
+
+
+def test_every_slice_of_a_sliced_request_is_checked_on_both_planes() -> None:
+    """Each engine call of a sliced request is a pick, and the Python plane's ``Router.pick``
+    checks each one: the first slice and every continuation. The native plane ran neither
+    check on a sliced request (it decides each slice outside the path that checks an
+    unsliced one): a chat without a tokenizer counted 3 pseudo-token picks on one plane and
+    0 on the other, and a sliced token prompt was never sampled there. Both now check every
+    call, as one rule: a slice's call counts as any pick."""
+
+    async def body() -> None:
+        slices = {"enabled": True, "policy": "fixed", "params": {"slice_tokens": 4}}
+        async with rig(engines=1, answer_tokens=100, slices=slices) as r:
+            worker = r.gateway.config.engines[0].worker_id
+            ids = [(i * 7919) % 30_000 + 2 for i in range(TOKEN_CHECK_MIN_TOKENS + 88)]
+            stored = stored_event([11], None, ids[:BLOCK], BLOCK)
+            r.gateway.index.apply_vllm_events(worker, event_batch(stored))
+            chat = {
+                "model": MODEL,
+                "max_tokens": 10,
+                "messages": [{"role": "user", "content": "Tell me a story"}],
+            }
+            async with r.client.post(r.url("/v1/chat/completions"), json=chat) as response:
+                assert response.status == 200, await response.read()
+            assert [q.body["max_tokens"] for q in r.engines[0].received] == [4, 4, 2]
+            # Three calls hashed as pseudo-tokens: three picks counted.
+            assert r.gateway.router.stats()["pseudo_token_picks"] == 3
+            # A token prompt in slices: its first call is sampled, and judged at a pick 5 s
+            # later (the next sliced request's first call).
+            assert (await r.complete(ids, max_tokens=10)).status == 200
+            await asyncio.sleep(TOKEN_CHECK_AFTER_S + 0.5)
+            assert (await r.complete(ids, max_tokens=10)).status == 200
+            stats = r.gateway.router.stats()
+            assert stats["token_prompts_confirmed"] == 1
+            assert stats["token_prompts_unconfirmed"] == 0
+            assert r.metric("llmsched_gateway_slices_total") == 9
 
     run(body())

@@ -923,6 +923,93 @@ def test_utilization_detector_in_a_profile_filters_with_headroom() -> None:
     assert decision.endpoint == "e2"  # all over a limit: all kept, the shortest queue wins
 
 
+def test_utilization_detector_filter_reads_its_own_staleness_threshold() -> None:
+    """llm-d's detector, as a filter, drops endpoints whose metrics are older than its
+    ``metricsStalenessThreshold`` (llm-d-router's utilization/detector.go, ``Filter``); the
+    filter read the pool's staleness instead, so under an ``ignore`` pool (or a pool
+    staleness longer than the threshold) it kept endpoints llm-d drops. Left out, the pool's
+    staleness still applies (flow control's default follows the scrape interval too)."""
+
+    def config(params: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "plugins": [
+                {"type": "utilization-detector", "parameters": params},
+                {"type": "queue-scorer"},
+                {"type": "max-score-picker"},
+            ],
+            "schedulingProfiles": [
+                {
+                    "name": "default",
+                    "plugins": [
+                        {"pluginRef": "utilization-detector"},
+                        {"pluginRef": "queue-scorer"},
+                    ],
+                }
+            ],
+        }
+
+    for policy in ("ignore", "saturated"):
+        pool = EndpointPool(["e0", "e1", "e2"], stale_after_s=5.0, stale_policy=policy)
+        pool.update("e0", waiting=0, now=9.7)  # 0.3 s old at 10.0: the idlest, but stale
+        pool.update("e1", waiting=2, now=9.9)  # 0.1 s old
+        # e2 never reported
+        own = Router(pool, config=config({"metricsStalenessThreshold": "200ms"}))
+        decision = own.pick(tokens=list(range(64)), now=10.0)
+        rows = {r.endpoint: r.removed_by for r in decision.explain()["default"].rows}
+        assert decision.endpoint == "e1", policy
+        assert rows["e0"] is not None and rows["e2"] is not None and rows["e1"] is None
+        # Left out: the pool's 5 s staleness keeps e0 and e1 (and, under ignore, e2).
+        pooled = Router(pool, config=config({})).pick(tokens=list(range(64)), now=10.0)
+        kept = {r.endpoint for r in pooled.explain()["default"].rows if r.removed_by is None}
+        assert kept == ({"e0", "e1", "e2"} if policy == "ignore" else {"e0", "e1"})
+        # Every endpoint stale by the threshold: all stay (fails open, as llm-d's filter).
+        tight = Router(pool, config=config({"metricsStalenessThreshold": "10ms"}))
+        rows = tight.pick(tokens=list(range(64)), now=10.0).explain()["default"].rows
+        assert all(r.removed_by is None for r in rows)
+
+
+def test_a_detector_staleness_no_longer_than_the_scrape_interval_is_noted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Now that the detector's ``metricsStalenessThreshold`` decides which endpoints it drops,
+    one no longer than the gateway's scrape interval (llm-d's 200 ms against the default
+    0.2 s) would drop every engine for part of every interval: a configuration note says so
+    when the gateway loads it (logged, in ``notes`` and the scheduler's warnings, counted in
+    ``llmsched_gateway_config_warnings`` on either plane)."""
+    from llmsched.gateway import Gateway
+    from llmsched.gateway import load_config as load_gateway_config
+
+    def gateway(threshold: str, **extra: Any) -> dict[str, Any]:
+        router = {
+            "plugins": [
+                {
+                    "type": "utilization-detector",
+                    "parameters": {"metricsStalenessThreshold": threshold},
+                },
+                {"type": "queue-scorer"},
+            ],
+        }
+        engines = [{"host": "127.0.0.1", "port": 8001}]
+        return {"engines": engines, "models": ["m"], "router": router, **extra}
+
+    with caplog.at_level(logging.WARNING, logger="llmsched"):
+        notes = load_gateway_config(gateway("200ms")).notes
+    said = [n for n in notes if "metricsStalenessThreshold" in n]
+    assert len(said) == 1 and said[0].startswith(
+        "router config plugins[0].parameters.metricsStalenessThreshold: 200ms is no longer "
+        "than the scrape interval (scrape.interval_s 0.2 s)"
+    )
+    assert any(said[0] in r.getMessage() for r in caplog.records)
+    assert said[0] in Gateway(gateway("200ms")).scheduler.warnings
+    for quiet in (
+        gateway("1s"),
+        gateway("200ms", scrape={"interval_s": 0.05}),
+        gateway("50ms", scrape={"enabled": False}),
+    ):
+        notes = load_gateway_config(quiet).notes
+        assert not [n for n in notes if "metricsStalenessThreshold" in n], quiet
+
+
 @pytest.mark.parametrize(
     ("plugin", "why"),
     [
@@ -951,8 +1038,7 @@ def test_llm_d_plugins_without_a_counterpart_are_refused_by_name(plugin: str, wh
 def test_a_trailing_empty_document_is_read_as_llm_d_reads_it(tmp_path: Path) -> None:
     """A file ending in an empty ``---`` document (as editors and templating leave one) was
     refused ("expected a single document in the stream"), where llm-d's Go loader reads the
-    first document. An empty trailing document is accepted; a second document with content is
-    still refused, naming its line."""
+    first document. An empty trailing document is accepted without a note."""
     text = (CORPUS / "llmd-precise-data-layer.yaml").read_text()
     for tail in ("---\n", "---\n# nothing here\n", "---\n---\n", "--- \n...\n"):
         path = tmp_path / "trailing.yaml"
@@ -961,7 +1047,50 @@ def test_a_trailing_empty_document_is_read_as_llm_d_reads_it(tmp_path: Path) -> 
         assert router.profiles == [
             p["name"] for p in corpus("llmd-precise-data-layer.yaml")["schedulingProfiles"]
         ], tail
-    path.write_text(text + "---\nplugins: []\n")
+        assert [n for n in config_info(path)["notes"] if n["key"] == "---"] == [], tail
+
+
+def test_several_documents_read_the_first_as_llm_d_does(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """llm-d's loader decodes the file with Kubernetes' universal decoder, whose YAML path
+    (sigs.k8s.io/yaml over go-yaml v2's ``Unmarshal``) decodes the first document and never
+    reads the rest. A file of several documents was refused here; it now loads its first
+    document as llm-d does, and says once (a configuration note: logged, in
+    ``config_info()["notes"]`` and ``Router.warnings``, counted in stats and the gateway's
+    ``llmsched_gateway_config_warnings``) that the rest, from the line named, is ignored,
+    even a rest that is not valid YAML, which llm-d never parses either. The gateway's own
+    config, not llm-d's, still holds one document."""
+    from llmsched.gateway import load_config as load_gateway_config
+
+    text = (CORPUS / "llmd-precise-data-layer.yaml").read_text()
     lines = len(text.splitlines())
-    with pytest.raises(ConfigError, match=rf"found another document at line {lines + 1}"):
-        Router(EndpointPool(["a"]), config=path)
+    want = [p["name"] for p in corpus("llmd-precise-data-layer.yaml")["schedulingProfiles"]]
+    # Each tail, and the line of its first document with content past the first.
+    tails = [
+        ("---\nplugins: []\n", lines + 1),
+        ("---\n---\nschedulingProfiles: [\n", lines + 2),
+        ("---\n: : ]\n", lines + 1),
+    ]
+    for i, (tail, line) in enumerate(tails):
+        path = tmp_path / f"several-{i}.yaml"
+        path.write_text(text + tail)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="llmsched"):
+            router = Router(EndpointPool(["a"]), config=path)
+        assert router.profiles == want, tail
+        message = f"routing config ---: the documents from line {line} on are ignored"
+        notes = [n for n in config_info(path)["notes"] if n["key"] == "---"]
+        assert len(notes) == 1, tail
+        assert f"routing config ---: {notes[0]['message']}".startswith(message), tail
+        assert sum(w.startswith(message) for w in router.warnings) == 1, tail
+        assert router.stats()["config_warnings"] == len(router.warnings)
+        # Logged once a process, as every configuration note: the third tail's note is the
+        # first's word for word.
+        logged = [r for r in caplog.records if r.getMessage().startswith(message)]
+        assert len(logged) == (0 if i == 2 else 1), tail
+    engines = [{"host": "127.0.0.1", "port": 8001}]
+    gateway = tmp_path / "gateway.yaml"
+    gateway.write_text(yaml.safe_dump({"engines": engines, "models": ["m"]}) + "---\na: 1\n")
+    with pytest.raises(ConfigError, match=r"found another document at line"):
+        load_gateway_config(gateway)

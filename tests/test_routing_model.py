@@ -33,6 +33,11 @@ FILTERS = [
         "utilization-detector",
         {"queueDepthThreshold": 3, "kvCacheUtilThreshold": 0.6, "headroom": 0.5},
     ),
+    # Its own staleness, shorter than the pool's 0.2 s and read under either pool policy.
+    (
+        "utilization-detector",
+        {"queueDepthThreshold": 6, "metricsStalenessThreshold": "50ms"},
+    ),
     ("by-label", {"label": "zone", "validValues": ["a"], "allowsNoLabel": True}),
 ]
 
@@ -114,6 +119,7 @@ def _cluster(
                 running=s["running"] if fresh else 0,
                 kv_cache_usage=s["kv"] if fresh else 0.0,
                 saturated=saturated,
+                metrics_age_s=s["age"],
             )
         )
     # In-flight load: requests sent earlier, still prefilling (different prompts).

@@ -1108,6 +1108,11 @@ class NativeKVEventSubscriber:
     def wait_changed(self, seen: int, timeout_s: float) -> int:
         """Waits until the counters change after generation `seen`; the generation now."""
 
+def gateway_metric_help() -> dict[str, str]:
+    """The HELP text of every family of the gateway's `/metrics`, by name without the
+    `llmsched_gateway_` prefix (and a counter's `_total`): the one table both data planes
+    read (a new dict each call)."""
+
 @final
 class NativeGateway:
     """The native data plane (`llmsched-gateway`) serving in-process on its own runtime thread;

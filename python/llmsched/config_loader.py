@@ -9,7 +9,9 @@ or :func:`read_document`, so they accept the same inputs and fail the same way:
   starts with ``{`` or ``[``, or names no file and contains ``:`` (then it is YAML / JSON text);
 * files ending in ``.json`` are parsed as JSON, everything else as YAML (a superset of JSON);
   an empty document is an empty mapping, and a YAML file holds one document (empty ones after
-  it, a trailing ``---``, are passed over, as llm-d's Go loader reads the first). A number
+  it, a trailing ``---``, are passed over, as llm-d's Go loader reads the first; a router
+  config, llm-d's, is read with ``read_config(..., first_document=True)``, which takes the
+  first document of several and says where the rest begins). A number
   written with an exponent (``1e-3``, ``1.5e3``) is a number, as in JSON, YAML 1.2 and llm-d's
   Go loader (PyYAML's YAML 1.1 reads those two as strings); quoted, it stays a string.
 
@@ -92,6 +94,9 @@ class ConfigDocument:
     data: dict[str, Any]
     what: str
     path: Path | None = None
+    ignored_line: int | None = None
+    """With ``first_document``: the line where the documents left unread begin (None: none
+    with content)."""
 
     def where(self, key: str = "") -> str:
         """``what`` and the file, then ``key``: the prefix of every message about this document."""
@@ -127,8 +132,16 @@ def read_document(source: str | os.PathLike[str], *, what: str, secret: bool = F
     >>> read_document("[1, 2]", what="engines")
     [1, 2]
     """
+    return _read(source, what=what, secret=secret, first_document=False)[0]
+
+
+def _read(
+    source: str | os.PathLike[str], *, what: str, secret: bool, first_document: bool
+) -> tuple[Any, int | None]:
+    """:func:`read_document`, with the line where unread documents begin (``first_document``:
+    see :func:`read_config`)."""
     if isinstance(source, str) and looks_like_text(source):
-        return parse_document(source, what=what, secret=secret)
+        return _parse(source, what=what, secret=secret, first_document=first_document)
     if not isinstance(source, (str, os.PathLike)):
         raise InvalidTypeError(
             f"{what} must be a path or YAML / JSON text, got {type(source).__name__}"
@@ -147,8 +160,13 @@ def read_document(source: str | os.PathLike[str], *, what: str, secret: bool = F
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(f"{what}: cannot read {str(path)!r}: {reason}") from None
-    return parse_document(
-        text, what=what, path=path, json_only=path.suffix == ".json", secret=secret
+    return _parse(
+        text,
+        what=what,
+        path=path,
+        json_only=path.suffix == ".json",
+        secret=secret,
+        first_document=first_document,
     )
 
 
@@ -172,6 +190,23 @@ def parse_document(
     ...
     llmsched.errors.ConfigError: config: not valid YAML / JSON (nested more than 32 levels)
     """
+    return _parse(
+        text, what=what, path=path, json_only=json_only, secret=secret, first_document=False
+    )[0]
+
+
+def _parse(
+    text: str | bytes,
+    *,
+    what: str,
+    path: Path | None = None,
+    json_only: bool = False,
+    secret: bool = False,
+    first_document: bool,
+) -> tuple[Any, int | None]:
+    """:func:`parse_document`; with ``first_document``, YAML documents after the first are
+    left unread and the line where they begin is returned beside the value."""
+    ignored: int | None = None
     # RecursionError is the parsers' answer to deep nesting (both are recursive descent);
     # it is caught here, where the text is known, so that no caller sees it as a crash.
     deep = f"nested more than {MAX_DEPTH} levels"
@@ -196,7 +231,13 @@ def parse_document(
         import yaml  # YAML is only needed when a document is read
 
         try:
-            value = yaml.load(text, Loader=_unique_keys_loader())  # a SafeLoader
+            loader = _unique_keys_loader()(text)  # a SafeLoader
+            loader.first_only = first_document
+            try:
+                value = loader.get_single_data()
+                ignored = loader.ignored_line
+            finally:
+                loader.dispose()
         except _DuplicateKey as exc:
             reason = exc.hidden if secret else str(exc)
         except yaml.YAMLError as exc:
@@ -210,7 +251,7 @@ def parse_document(
         else:
             reason = _shape_problem(value, secret=secret)
     if reason is None:
-        return value
+        return value, ignored
     if path is None:
         raise ConfigError(f"{what}: not valid YAML / JSON ({reason})")
     raise ConfigError(f"{what}: cannot read {str(path)!r}: not valid YAML / JSON ({reason})")
@@ -336,6 +377,11 @@ def _unique_keys_loader() -> Any:
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):
+        # first_only: documents after the first are left unread, as llm-d's Go loader leaves
+        # them; ignored_line is where the first of them with content begins.
+        first_only = False
+        ignored_line: int | None = None
+
         def construct_mapping(self, node: Any, deep: bool = False) -> Any:
             if isinstance(node, yaml.MappingNode):
                 seen: set[tuple[str, str]] = set()
@@ -358,19 +404,33 @@ def _unique_keys_loader() -> Any:
         def get_single_node(self) -> Any:
             # PyYAML's, but an empty document after the first (a trailing `---`, as editors
             # and templates leave one) is passed over: llm-d's Go loader reads the first
-            # document. One with content is refused as PyYAML refuses it.
+            # document. One with content is refused as PyYAML refuses it, or with first_only
+            # left unread (its line kept), as llm-d's loader leaves it, even when not valid.
             self.get_event()  # type: ignore[no-untyped-call]  # the stream start
             document = None
             if not self.check_event(yaml.StreamEndEvent):
                 document = self.compose_document()
-            while not self.check_event(yaml.StreamEndEvent):
-                start = self.peek_event().start_mark  # type: ignore[no-untyped-call]
-                extra = self.compose_document()
+            start = None
+            while True:
+                try:
+                    if self.check_event(yaml.StreamEndEvent):
+                        break
+                    start = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+                    extra = self.compose_document()
+                except yaml.YAMLError as exc:
+                    if not self.first_only:
+                        raise
+                    mark = start if start is not None else getattr(exc, "problem_mark", None)
+                    self.ignored_line = 1 if mark is None else mark.line + 1
+                    return document
                 if not (
                     isinstance(extra, yaml.ScalarNode)
                     and extra.tag == "tag:yaml.org,2002:null"
                     and extra.value == ""
                 ):
+                    if self.first_only:
+                        self.ignored_line = start.line + 1
+                        return document
                     raise yaml.composer.ComposerError(
                         "expected a single document in the stream",
                         None if document is None else document.start_mark,
@@ -433,11 +493,16 @@ def check_ints(value: Any, where: str) -> None:
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 
 
-def read_config(source: ConfigSource, *, what: str) -> ConfigDocument:
-    """The mapping ``source`` holds, with where it came from (see the module docs).
+def read_config(source: ConfigSource, *, what: str, first_document: bool = False) -> ConfigDocument:
+    """The mapping ``source`` holds, with where it came from (see the module docs). With
+    ``first_document``, a YAML stream of several documents gives its first, as llm-d's Go
+    loader reads one (:attr:`ConfigDocument.ignored_line` says where the others begin);
+    without, it is refused.
 
     >>> read_config("a: 1", what="config").data
     {'a': 1}
+    >>> read_config("a: 1\\n---\\nb: 2\\n", what="config", first_document=True).ignored_line
+    2
     """
     if isinstance(source, Mapping):
         return ConfigDocument(dict(source), what)
@@ -446,13 +511,13 @@ def read_config(source: ConfigSource, *, what: str) -> ConfigDocument:
             f"{what} must be a mapping, a path or YAML / JSON text, got {type(source).__name__}"
         )
     path = None if isinstance(source, str) and looks_like_text(source) else Path(source)
-    value = read_document(source, what=what)
+    value, ignored = _read(source, what=what, secret=False, first_document=first_document)
     if value is None:
         value = {}
     if not isinstance(value, dict):
         origin = "" if path is None else f" ({str(path)!r})"
         raise ConfigError(f"{what}: must be a mapping, got {type(value).__name__}{origin}")
-    return ConfigDocument(value, what, path)
+    return ConfigDocument(value, what, path, ignored)
 
 
 def load_mapping(source: ConfigSource, *, what: str) -> dict[str, Any]:

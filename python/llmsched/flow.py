@@ -722,13 +722,20 @@ class FlowController:
         if cancelled is not None:
             self._waiters.pop(ticket, None)
             return
-        if future.done() and future.get_loop().is_closed():
-            # A task collected unfinished once its loop closed: no callback runs there now.
-            # The core's complete, not complete() (which pumps): a collection may run inside
-            # a pump, under its lock.
-            if not future.cancelled() and future.result().outcome == Outcome.DISPATCHED:
-                with contextlib.suppress(UnknownRequestError):
-                    self._core.complete(request_id, 0, self._clock(), ticket)
+        if not future.get_loop().is_running():
+            # A task collected unfinished once its loop closed, or stopped (never closed): no
+            # callback runs there now, neither a release nor the dispatch queued for this
+            # admit (a stopped loop runs it only if run again, and this coroutine, which would
+            # use it, is ending). Given back now, by its ticket: the request was dispatched
+            # (the decision on the future, or still on its way), or left (then unknown). The
+            # core's complete, not complete() (which pumps): a collection may run inside a
+            # pump, under its lock.
+            if future.done() and (
+                future.cancelled() or future.result().outcome != Outcome.DISPATCHED
+            ):
+                return
+            with contextlib.suppress(UnknownRequestError):
+                self._core.complete(request_id, 0, self._clock(), ticket)
             return
         future.add_done_callback(lambda f: self._release(request_id, ticket, f))
 

@@ -42,7 +42,7 @@ import numpy.typing as npt
 
 from llmsched import _llmsched
 from llmsched._tokens import TokensLike, native_tokens
-from llmsched.config_loader import ConfigSource, load_mapping, looks_like_text
+from llmsched.config_loader import ConfigSource, looks_like_text, read_config
 from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError, PlacementError
 from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
@@ -506,16 +506,35 @@ def load_config(config: ConfigLike) -> dict[str, Any]:
     >>> load_config("prefix-only")["plugins"][0]["type"]
     'prefix-cache-scorer'
     """
+    return _read_router_config(config)[0]
+
+
+def _read_router_config(config: ConfigLike) -> tuple[dict[str, Any], list[ConfigNote]]:
+    """:func:`load_config`, with a note when a YAML file holds several documents: the first
+    is read, as llm-d's loader reads it (Kubernetes' decoder decodes one document and leaves
+    the rest), and the others are ignored, said once here rather than silently.
+
+    >>> notes = _read_router_config("plugins: []\\n---\\nplugins: [{type: random-picker}]")[1]
+    >>> notes[0]["key"], notes[0]["message"][:36]
+    ('---', 'the documents from line 2 on are ign')
+    """
     if isinstance(config, Mapping):
-        return dict(config)
+        return dict(config), []
     if isinstance(config, str):
         preset = _llmsched.Router.preset(config)
         if preset is not None:
-            return preset
+            return preset, []
         if not looks_like_text(config) and not Path(config).is_file():
             names = ", ".join(_llmsched.Router.preset_names())
             raise ConfigError(f"config {config!r} is neither a preset ({names}) nor a file")
-    return load_mapping(config, what="router config")
+    document = read_config(config, what="router config", first_document=True)
+    if document.ignored_line is None:
+        return document.data, []
+    message = (
+        f"the documents from line {document.ignored_line} on are ignored: a router config is "
+        "one document, and llm-d reads the first one alone"
+    )
+    return document.data, [{"key": "---", "message": message}]
 
 
 def config_info(config: ConfigLike) -> ConfigInfo:
@@ -534,10 +553,12 @@ def config_info(config: ConfigLike) -> ConfigInfo:
     >>> info["flow_control"], info["notes"][0]["key"]
     (True, 'plugins[0].type')
     """
-    loaded = load_config(config)
+    loaded, notes = _read_router_config(config)
     with _naming_file(config):
         native, functions = native_config(loaded)
-        return _config_info(native, functions)
+        info = _config_info(native, functions)
+    info["notes"].extend(notes)
+    return info
 
 
 @contextlib.contextmanager
@@ -705,10 +726,11 @@ class Router:
             raise InvalidValueError(
                 f"max_sessions must be in 1..2**64-1 or None, got {describe_int(max_sessions)}"
             )
-        loaded = load_config(config)
+        loaded, notes = _read_router_config(config)
         with _naming_file(config):
             native, functions = native_config(loaded)
             info = _config_info(native, functions)
+        info["notes"].extend(notes)
         self._reads_roles = _reads_roles(loaded)
         _log_notes(info)
         warnings = [f"routing config {n['key']}: {n['message']}" for n in info["notes"]]

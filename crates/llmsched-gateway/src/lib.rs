@@ -841,58 +841,37 @@ fn build(
 /// fallbacks as counters; entries, bytes and capacity as gauges; `tokenizer_cache_enabled`
 /// 1 or 0, with the reason it is off as a label.
 fn tokenizer_cache_metrics(out: &mut String, stats: &tokcache::CacheStats) {
+    use metrics::{gauge, help};
     use std::fmt::Write as _;
-    const P: &str = "llmsched_gateway_tokenizer_cache";
-    for (name, help, value) in [
-        ("hits", "Prompt pieces whose ids came from the tokenizer cache", stats.hits),
-        ("misses", "Prompt pieces encoded and put in the tokenizer cache", stats.misses),
-        ("evictions", "Prompt pieces evicted from the tokenizer cache", stats.evictions),
-        (
-            "fallbacks",
-            "Chat prompts encoded whole because a piece could not be encoded alone",
-            stats.fallbacks,
-        ),
+    const P: &str = "llmsched_gateway";
+    for (name, value) in [
+        ("tokenizer_cache_hits", stats.hits),
+        ("tokenizer_cache_misses", stats.misses),
+        ("tokenizer_cache_evictions", stats.evictions),
+        ("tokenizer_cache_fallbacks", stats.fallbacks),
     ] {
         let _ = writeln!(
             out,
-            "# HELP {P}_{name}_total {help}\n# TYPE {P}_{name}_total counter\n\
-             {P}_{name}_total {value}.0"
+            "# HELP {P}_{name}_total {}\n# TYPE {P}_{name}_total counter\n\
+             {P}_{name}_total {value}.0",
+            help(name)
         );
     }
-    for (name, help, value) in [
-        ("tokenizer_cache_entries", "Prompt pieces held in the tokenizer cache", stats.entries),
-        ("tokenizer_cache_bytes", "Bytes held in the tokenizer cache", stats.bytes),
-        (
-            "tokenizer_cache_capacity_bytes",
-            "Bytes the tokenizer cache may hold (tokenizer_cache_bytes)",
-            stats.capacity_bytes,
-        ),
+    for (name, value) in [
+        ("tokenizer_cache_entries", stats.entries),
+        ("tokenizer_cache_bytes", stats.bytes),
+        ("tokenizer_cache_capacity_bytes", stats.capacity_bytes),
     ] {
-        metrics::gauge(out, name, help, &[], value as f64);
+        gauge(out, name, &[], value as f64);
     }
     let reason = stats.disabled_reason.as_deref().unwrap_or("");
-    metrics::gauge(
-        out,
-        "tokenizer_cache_enabled",
-        "1 when chat prompts are encoded through the tokenizer cache; 0 with the reason",
-        &[("reason", reason)],
-        if stats.enabled { 1.0 } else { 0.0 },
-    );
+    let enabled = if stats.enabled { 1.0 } else { 0.0 };
+    gauge(out, "tokenizer_cache_enabled", &[("reason", reason)], enabled);
     let reason = stats.chunks_disabled_reason.as_deref().unwrap_or("");
-    metrics::gauge(
-        out,
-        "tokenizer_cache_chunks_enabled",
-        "1 when long prompt pieces are cut into chunks cached on their own; 0 with the reason",
-        &[("reason", reason)],
-        if stats.chunks { 1.0 } else { 0.0 },
-    );
-    metrics::gauge(
-        out,
-        "tokenizer_cache_completions_enabled",
-        "1 when completion prompts (special tokens added) go through the tokenizer cache",
-        &[],
-        if stats.completions { 1.0 } else { 0.0 },
-    );
+    let chunks = if stats.chunks { 1.0 } else { 0.0 };
+    gauge(out, "tokenizer_cache_chunks_enabled", &[("reason", reason)], chunks);
+    let completions = if stats.completions { 1.0 } else { 0.0 };
+    gauge(out, "tokenizer_cache_completions_enabled", &[], completions);
 }
 
 /// Checks `config`, binds `addr` and serves from tasks on the current tokio runtime (the
@@ -1227,10 +1206,6 @@ async fn drain_refused_body(mut body: Incoming, max_body: usize, total: Duration
     };
     let _ = tokio::time::timeout(total, drain).await;
 }
-
-/// The help text of `llmsched_gateway_body_bytes_in_flight`, as the Python plane's.
-const BODY_BYTES_HELP: &str = "Bytes of the request bodies being received, held against \
-     limits.max_body_bytes_in_flight (a declared Content-Length counts whole from the start)";
 
 /// How long a refused connection's request is read and dropped at most before it is closed.
 const REFUSED_DRAIN_TIME: Duration = Duration::from_millis(500);
@@ -1757,6 +1732,17 @@ impl Gateway {
         self.replace_engines(engines, ChangeCount::Own)
     }
 
+    /// The checks of [`token_check`] on a pick at `now` of a prompt whose ids are `kind`: run
+    /// on every pick, each slice of a sliced request included (its first call and every
+    /// continuation), as `Router.pick` runs them on each pick of the Python plane.
+    fn check_ids(&self, kind: IdKind, tokens: &[u32], meta: &RequestMeta, now: f64) {
+        match kind {
+            IdKind::TokenIds if self.token_check.due(now) => self.check_tokens(tokens, meta, now),
+            IdKind::Pseudo => self.count_pseudo(),
+            _ => {}
+        }
+    }
+
     /// Runs [`token_check`] on a prompt of token ids picked at `now` (called at most once a
     /// second); gives its warning once, through the embedder's hook or on stderr.
     fn check_tokens(&self, tokens: &[u32], meta: &RequestMeta, now: f64) {
@@ -2092,124 +2078,64 @@ impl Gateway {
     }
 
     fn metrics_text(&self) -> String {
+        use metrics::{gauge, help};
         let mut out = String::with_capacity(4096);
         self.counters.render(&mut out);
-        metrics::gauge(
-            &mut out,
-            "body_bytes_in_flight",
-            BODY_BYTES_HELP,
-            &[],
-            self.bodies.held() as f64,
-        );
+        gauge(&mut out, "body_bytes_in_flight", &[], self.bodies.held() as f64);
         let snapshot = self.router().pool().snapshot();
         for upstream in &self.upstreams().list {
             let state = upstream.health.lock().unwrap_or_else(|e| e.into_inner()).state;
             let up = state == health::State::Up && snapshot.get(&upstream.key).is_some();
-            metrics::gauge(
-                &mut out,
-                "endpoint_up",
-                "1 when an endpoint is in routing, 0 when down or its breaker is open",
-                &[("endpoint", &upstream.id)],
-                if up { 1.0 } else { 0.0 },
-            );
+            let value = if up { 1.0 } else { 0.0 };
+            gauge(&mut out, "endpoint_up", &[("endpoint", &upstream.id)], value);
         }
         for upstream in &self.upstreams().list {
             if let Some(member) = snapshot.get(&upstream.key) {
                 let load = member.inflight.local();
-                metrics::gauge(
-                    &mut out,
-                    "endpoint_in_flight",
-                    "Requests this gateway started on an endpoint and has not finished \
-                     (endpoints in routing; other replicas' requests are not counted)",
-                    &[("endpoint", &upstream.id)],
-                    load.requests as f64,
-                );
+                let labels = [("endpoint", upstream.id.as_str())];
+                gauge(&mut out, "endpoint_in_flight", &labels, load.requests as f64);
             }
         }
         let stats = self.router().index().stats();
-        for (key, help, value) in [
-            ("index_blocks", "Blocks held in the prefix index", stats.blocks as f64),
-            ("index_workers", "Workers known to the prefix index", stats.workers as f64),
-            ("index_bytes", "Estimated bytes used by the prefix index", stats.bytes as f64),
+        for (key, value) in [
+            ("index_blocks", stats.blocks as f64),
+            ("index_workers", stats.workers as f64),
+            ("index_bytes", stats.bytes as f64),
         ] {
-            metrics::gauge(&mut out, key, help, &[], value);
+            gauge(&mut out, key, &[], value);
         }
-        out.push_str(&format!(
-            "# HELP llmsched_gateway_index_evicted_blocks_total Blocks the prefix index evicted \
-             for index.max_bytes or a worker's capacity\n\
-             # TYPE llmsched_gateway_index_evicted_blocks_total counter\n\
-             llmsched_gateway_index_evicted_blocks_total {}.0\n",
-            stats.evicted_blocks
-        ));
+        let counter = |out: &mut String, name: &str, value: u64| {
+            out.push_str(&format!(
+                "# HELP llmsched_gateway_{name}_total {}\n\
+                 # TYPE llmsched_gateway_{name}_total counter\n\
+                 llmsched_gateway_{name}_total {value}.0\n",
+                help(name)
+            ));
+        };
+        counter(&mut out, "index_evicted_blocks", stats.evicted_blocks);
         if let Some(tokenizer) = &self.tokenizer {
             tokenizer_cache_metrics(&mut out, &tokenizer.cache_stats());
         }
         if let Some(extra) = &self.extra_metrics {
             out.push_str(&extra());
         }
-        metrics::gauge(
-            &mut out,
-            "response_owners",
-            "Stored responses whose engine the gateway knows",
-            &[],
-            self.owners.len() as f64,
-        );
-        metrics::gauge(
-            &mut out,
-            "tenants",
-            "Distinct tenant names taken from request headers",
-            &[],
-            self.tenants.len() as f64,
-        );
+        gauge(&mut out, "response_owners", &[], self.owners.len() as f64);
+        gauge(&mut out, "tenants", &[], self.tenants.len() as f64);
         if let Some(metrics) = self.flow.as_ref().and_then(|f| f.metrics(monotonic())) {
-            metrics::gauge(
-                &mut out,
-                "saturation",
-                "Pool saturation seen by flow control",
-                &[],
-                metrics.saturation,
-            );
+            gauge(&mut out, "saturation", &[], metrics.saturation);
             for band in &metrics.bands {
-                metrics::gauge(
-                    &mut out,
-                    "queue_length",
-                    "Requests waiting in flow control, by priority",
-                    &[("priority", &band.priority.to_string())],
-                    band.queued as f64,
-                );
+                let priority = band.priority.to_string();
+                gauge(&mut out, "queue_length", &[("priority", &priority)], band.queued as f64);
             }
-            metrics::gauge(
-                &mut out,
-                "running",
-                "Dispatched requests not yet complete",
-                &[],
-                metrics.running as f64,
-            );
-            metrics::gauge(
-                &mut out,
-                "flow_tenants",
-                "Tenants with a flow in flow control (idle flows are reclaimed after flow_idle_s)",
-                &[],
-                metrics.tenants as f64,
-            );
+            gauge(&mut out, "running", &[], metrics.running as f64);
+            gauge(&mut out, "flow_tenants", &[], metrics.tenants as f64);
+            counter(&mut out, "flows_reclaimed", metrics.flows_reclaimed);
+            counter(&mut out, "priorities_folded", metrics.priorities_folded);
             out.push_str(&format!(
-                "# HELP llmsched_gateway_flows_reclaimed_total Flows reclaimed after flow_idle_s \
-                 without a queued or running request\n\
-                 # TYPE llmsched_gateway_flows_reclaimed_total counter\n\
-                 llmsched_gateway_flows_reclaimed_total {}.0\n",
-                metrics.flows_reclaimed
-            ));
-            out.push_str(&format!(
-                "# HELP llmsched_gateway_priorities_folded_total Requests queued in the nearest \
-                 band below their priority, 256 bands besides the configured ones being made\n\
-                 # TYPE llmsched_gateway_priorities_folded_total counter\n\
-                 llmsched_gateway_priorities_folded_total {}.0\n",
-                metrics.priorities_folded
-            ));
-            out.push_str(
-                "# HELP llmsched_gateway_flow_outcomes_total Flow-control outcomes, by outcome\n\
+                "# HELP llmsched_gateway_flow_outcomes_total {}\n\
                  # TYPE llmsched_gateway_flow_outcomes_total counter\n",
-            );
+                help("flow_outcomes")
+            ));
             for (outcome, count) in &metrics.outcomes {
                 out.push_str(&format!(
                     "llmsched_gateway_flow_outcomes_total{{outcome=\"{outcome}\"}} {count}.0\n"
@@ -2652,6 +2578,7 @@ impl Gateway {
                 identity.priority,
                 ids,
                 meta,
+                kind,
                 sse,
                 deadline,
                 Guards { slot, limiter },
@@ -2662,13 +2589,7 @@ impl Gateway {
         let before = monotonic();
         let decided = self.decide(&tokens, ids, &meta, before);
         self.counters.histograms.decision.observe(monotonic() - before);
-        match kind {
-            IdKind::TokenIds if self.token_check.due(before) => {
-                self.check_tokens(&tokens, &meta, before)
-            }
-            IdKind::Pseudo => self.count_pseudo(),
-            _ => {}
-        }
+        self.check_ids(kind, &tokens, &meta, before);
         let decision = match decided {
             Ok(decision) => decision,
             Err(RoutingError::NoEndpoint { .. }) => {

@@ -5,6 +5,194 @@ use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
+/// Every HELP text of the gateway's `/metrics`, by family name without the `llmsched_gateway_`
+/// prefix (and a counter's `_total`): the one place both data planes take them from (the
+/// Python plane through `llmsched._llmsched.gateway_metric_help()`), so that a text changed
+/// here changes on both, and a dashboard reads either plane alike.
+pub const HELP: &[(&str, &str)] = &[
+    ("requests", "Requests answered, by route and HTTP status"),
+    (
+        "rejections",
+        "Requests refused by the gateway, by reason (the dropped-reason header value for \
+         flow-control refusals)",
+    ),
+    ("decision_seconds", "Time of one routing decision (Router.pick)"),
+    (
+        "overhead_seconds",
+        "Time from a request's arrival to its upstream send, without flow-control queueing \
+         (auth, parsing, tokenization, admission, routing)",
+    ),
+    ("admission_wait_seconds", "Time a request waited in flow control before dispatch"),
+    (
+        "upstream_errors",
+        "Failed upstream attempts, by endpoint and kind (connect, timeout, status_5xx, broken, \
+         truncated)",
+    ),
+    ("slices", "Engine calls made for sliced requests (one per slice)"),
+    ("retries", "Requests re-sent to another endpoint"),
+    (
+        "poisoned_requests",
+        "Requests that failed on two or more engines (5xx answers, connections dropped before \
+         the status line) and were answered by none, counted against no engine's breaker",
+    ),
+    (
+        "session_tokens_ignored",
+        "Requests whose x-session-token was ignored (not base64 of UTF-8 text, another \
+         namespace, or naming no engine of the gateway's)",
+    ),
+    (
+        "response_lookups",
+        "Requests naming a stored response (previous_response_id, or its path), by how its \
+         engine was found: owner (known), located (asked of the engines), owner_unavailable \
+         (its engine is out of routing, or out of the set within discovery.left_grace_s), \
+         not_found",
+    ),
+    (
+        "responses_unhashed",
+        "Responses API requests routed without prefix hashing: input items or tools the \
+         gateway does not turn into the engine's chat prompt",
+    ),
+    ("response_owners", "Stored responses whose engine the gateway knows"),
+    ("routed", "Requests sent to each endpoint (the successful attempt)"),
+    ("ejections", "Times an endpoint was taken down after failing its health probes"),
+    ("breaker_opens", "Times an endpoint's circuit breaker opened (failure rate over the window)"),
+    ("health_probes", "Health probes of endpoints, by result (ok, failed)"),
+    ("endpoint_up", "1 when an endpoint is in routing, 0 when down or its breaker is open"),
+    (
+        "endpoint_in_flight",
+        "Requests this gateway started on an endpoint and has not finished (endpoints in \
+         routing; other replicas' requests are not counted)",
+    ),
+    ("scrape_failures", "Failed metrics scrapes of endpoints, by kind (timeout, failed)"),
+    (
+        "truncated_answers",
+        "Engine answers cut off or timed out after their status line, by what the client got \
+         (error: a 502 before any byte; reset: connection reset mid-body; sse_error: an SSE \
+         error event, then the stream closed without [DONE])",
+    ),
+    ("admin_requests", "Admin API calls, by action and HTTP status"),
+    ("tenants", "Distinct tenant names taken from request headers"),
+    (
+        "tenants_folded",
+        "Requests whose header tenant came past limits.max_tenants (served as ~overflow)",
+    ),
+    ("connections", "Client connections open now"),
+    (
+        "body_bytes_in_flight",
+        "Bytes of the request bodies being received, held against \
+         limits.max_body_bytes_in_flight (a declared Content-Length counts whole from the start)",
+    ),
+    ("connections_refused", "Client connections refused at limits.max_connections"),
+    ("engine_changes", "Engines added, removed or changed by discovery"),
+    (
+        "discovery_errors",
+        "Discovery updates that failed: a discovery file that could not be read or checked, or \
+         a set of Kubernetes engines the gateway refused (the current engines were kept)",
+    ),
+    ("index_blocks", "Blocks held in the prefix index"),
+    ("index_workers", "Workers known to the prefix index"),
+    ("index_bytes", "Estimated bytes used by the prefix index"),
+    (
+        "index_evicted_blocks",
+        "Blocks the prefix index evicted for index.max_bytes or a worker's capacity",
+    ),
+    ("saturation", "Pool saturation seen by flow control"),
+    ("queue_length", "Requests waiting in flow control, by priority"),
+    ("running", "Dispatched requests not yet complete"),
+    (
+        "flow_tenants",
+        "Tenants with a flow in flow control (idle flows are reclaimed after flow_idle_s)",
+    ),
+    ("flows_reclaimed", "Flows reclaimed after flow_idle_s without a queued or running request"),
+    (
+        "priorities_folded",
+        "Requests queued in the nearest band below their priority, 256 bands besides the \
+         configured ones being made",
+    ),
+    ("flow_outcomes", "Flow-control outcomes, by outcome"),
+    ("kv_events", "KV-event subscriber counters"),
+    (
+        "kv_events_failing_sockets",
+        "KV-event sockets whose bind or connect failed and has not succeeded since (retried \
+         with backoff; the log names the endpoint and the error)",
+    ),
+    (
+        "cluster_connected",
+        "1 while the replica-sync bus is connected (0: routing on local state only)",
+    ),
+    ("cluster_peers", "Other gateway replicas heard from within cluster.load_ttl_s"),
+    ("cluster", "Replica-sync counters (llmsched.cluster)"),
+    (
+        "config_warnings",
+        "Notes about a configuration that will route badly, each logged once (logger \
+         llmsched) and listed in the scheduler's warnings",
+    ),
+    (
+        "index_block_size_mismatch",
+        "Stored KV events skipped because the engine's block size is not a multiple of the \
+         gateway's block_size (that engine's cache is never matched)",
+    ),
+    (
+        "index_extra_keys",
+        "Stored KV events skipped for extra keys the index cannot name (a LoRA adapter named \
+         only by its number, keys beside the LoRA name and a prompt's cache salt): those \
+         blocks are never matched",
+    ),
+    (
+        "engine_block_size_mismatch",
+        "The KV block size an engine's /metrics gives, where its KV events feed the index and \
+         that size is not a multiple of the gateway's block_size (its cache is never matched)",
+    ),
+    (
+        "engine_model_mismatches",
+        "Models an engine serves other than the config names them (its /v1/models, checked by \
+         llmsched.gateway.engine_models), by engine and kind",
+    ),
+    (
+        "kubernetes_synced",
+        "1 once the first list of pods has been offered (until then the gateway has no \
+         engines)",
+    ),
+    ("kubernetes_engines", "Engines taken from the Ready pods last"),
+    (
+        "kubernetes_discovery",
+        "Kubernetes discovery counters (KubernetesDiscovery.counters: lists, watches, events, \
+         errors, ...)",
+    ),
+    ("kubernetes_skipped_pod", "Ready pods left out of the engines (1 each), with why"),
+    ("tokenizer_cache_hits", "Prompt pieces whose ids came from the tokenizer cache"),
+    ("tokenizer_cache_misses", "Prompt pieces encoded and put in the tokenizer cache"),
+    ("tokenizer_cache_evictions", "Prompt pieces evicted from the tokenizer cache"),
+    (
+        "tokenizer_cache_fallbacks",
+        "Chat prompts encoded whole because a piece could not be encoded alone",
+    ),
+    ("tokenizer_cache_entries", "Prompt pieces held in the tokenizer cache"),
+    ("tokenizer_cache_bytes", "Bytes held in the tokenizer cache"),
+    (
+        "tokenizer_cache_capacity_bytes",
+        "Bytes the tokenizer cache may hold (tokenizer_cache_bytes)",
+    ),
+    (
+        "tokenizer_cache_enabled",
+        "1 when chat prompts are encoded through the tokenizer cache; 0 with the reason",
+    ),
+    (
+        "tokenizer_cache_chunks_enabled",
+        "1 when long prompt pieces are cut into chunks cached on their own; 0 with the reason",
+    ),
+    (
+        "tokenizer_cache_completions_enabled",
+        "1 when completion prompts (special tokens added) go through the tokenizer cache",
+    ),
+];
+
+/// The HELP text of family `name` (without the `llmsched_gateway_` prefix and a counter's
+/// `_total`), from [`HELP`]; a name missing there is a bug, caught by the tests.
+pub fn help(name: &str) -> &'static str {
+    HELP.iter().find(|(n, _)| *n == name).map_or("", |(_, text)| text)
+}
+
 /// Counters keyed by their label values, rendered in key order.
 #[derive(Default, Debug)]
 pub struct Family {
@@ -156,15 +344,6 @@ pub struct Counters {
     pub histograms: Histograms,
 }
 
-/// The help text of `llmsched_gateway_session_tokens_ignored_total`, as the Python plane's.
-const SESSION_TOKENS_HELP: &str = "Requests whose x-session-token was ignored (not base64 of \
-     UTF-8 text, another namespace, or naming no engine of the gateway's)";
-
-/// The help text of `llmsched_gateway_poisoned_requests_total`, as the Python plane's.
-const POISONED_HELP: &str = "Requests that failed on two or more engines (5xx answers, \
-     connections dropped before the status line) and were answered by none, counted against \
-     no engine's breaker";
-
 impl Counters {
     /// Requests answered with `status` on `route`.
     pub fn answered(&self, route: &str, status: u16) -> u64 {
@@ -174,132 +353,56 @@ impl Counters {
     /// The counters' exposition text (gauges of other components are appended by the caller).
     pub fn render(&self, out: &mut String) {
         const P: &str = "llmsched_gateway";
-        self.requests.render(
-            out,
-            &format!("{P}_requests"),
-            "Requests answered, by route and HTTP status",
-            &["route", "status"],
-        );
-        self.rejections.render(
-            out,
-            &format!("{P}_rejections"),
-            "Requests refused by the gateway, by reason (the dropped-reason header value for \
-             flow-control refusals)",
-            &["reason"],
-        );
-        self.upstream_errors.render(
-            out,
-            &format!("{P}_upstream_errors"),
-            "Failed upstream attempts, by endpoint and kind (connect, timeout, status_5xx, broken, \
-             truncated)",
-            &["endpoint", "kind"],
-        );
-        let plain = |out: &mut String, name: &str, help: &str, value: &AtomicU64| {
+        let family = |out: &mut String, name: &str, values: &Family, labels: &[&str]| {
+            values.render(out, &format!("{P}_{name}"), help(name), labels);
+        };
+        let plain = |out: &mut String, name: &str, value: &AtomicU64| {
             let value = value.load(Ordering::Relaxed);
+            let help = help(name);
             let _ = writeln!(
                 out,
                 "# HELP {P}_{name}_total {help}\n# TYPE {P}_{name}_total counter\n\
                  {P}_{name}_total {value}.0"
             );
         };
-        plain(out, "retries", "Requests re-sent to another endpoint", &self.retries);
-        plain(out, "poisoned_requests", POISONED_HELP, &self.poisoned);
-        plain(out, "slices", "Engine calls made for sliced requests (one per slice)", &self.slices);
-        plain(out, "session_tokens_ignored", SESSION_TOKENS_HELP, &self.session_tokens_ignored);
-        self.routed.render(
-            out,
-            &format!("{P}_routed"),
-            "Requests sent to each endpoint (the successful attempt)",
-            &["endpoint"],
-        );
-        self.ejections.render(
-            out,
-            &format!("{P}_ejections"),
-            "Times an endpoint was taken down after failing its health probes",
-            &["endpoint"],
-        );
-        self.breaker_opens.render(
-            out,
-            &format!("{P}_breaker_opens"),
-            "Times an endpoint's circuit breaker opened (failure rate over the window)",
-            &["endpoint"],
-        );
-        self.probes.render(
-            out,
-            &format!("{P}_health_probes"),
-            "Health probes of endpoints, by result (ok, failed)",
-            &["endpoint", "result"],
-        );
-        self.scrape_failures.render(
-            out,
-            &format!("{P}_scrape_failures"),
-            "Failed metrics scrapes of endpoints, by kind (timeout, failed)",
-            &["endpoint", "kind"],
-        );
-        self.truncated.render(
-            out,
-            &format!("{P}_truncated_answers"),
-            "Engine answers cut off or timed out after their status line, by what the client \
-             got (error: a 502 before any byte; reset: connection reset mid-body; sse_error: an \
-             SSE error event, then the stream closed without [DONE])",
-            &["endpoint", "outcome"],
-        );
-        plain(
-            out,
-            "tenants_folded",
-            "Requests whose header tenant came past limits.max_tenants (served as ~overflow)",
-            &self.tenants_folded,
-        );
+        family(out, "requests", &self.requests, &["route", "status"]);
+        family(out, "rejections", &self.rejections, &["reason"]);
+        family(out, "upstream_errors", &self.upstream_errors, &["endpoint", "kind"]);
+        plain(out, "retries", &self.retries);
+        plain(out, "poisoned_requests", &self.poisoned);
+        plain(out, "slices", &self.slices);
+        plain(out, "session_tokens_ignored", &self.session_tokens_ignored);
+        family(out, "routed", &self.routed, &["endpoint"]);
+        family(out, "ejections", &self.ejections, &["endpoint"]);
+        family(out, "breaker_opens", &self.breaker_opens, &["endpoint"]);
+        family(out, "health_probes", &self.probes, &["endpoint", "result"]);
+        family(out, "scrape_failures", &self.scrape_failures, &["endpoint", "kind"]);
+        family(out, "truncated_answers", &self.truncated, &["endpoint", "outcome"]);
+        plain(out, "tenants_folded", &self.tenants_folded);
         let connections = self.connections.load(Ordering::Relaxed);
         let _ = writeln!(
             out,
-            "# HELP {P}_connections Client connections open now\n# TYPE {P}_connections gauge\n\
-             {P}_connections {connections}.0"
+            "# HELP {P}_connections {}\n# TYPE {P}_connections gauge\n\
+             {P}_connections {connections}.0",
+            help("connections")
         );
-        plain(
-            out,
-            "connections_refused",
-            "Client connections refused at limits.max_connections",
-            &self.connections_refused,
-        );
-        plain(
-            out,
-            "engine_changes",
-            "Engines added, removed or changed by discovery",
-            &self.engine_changes,
-        );
-        self.admin_requests.render(
-            out,
-            &format!("{P}_admin_requests"),
-            "Admin API calls, by action and HTTP status",
-            &["action", "status"],
-        );
-        self.response_lookups.render(
-            out,
-            &format!("{P}_response_lookups"),
-            "Requests naming a stored response (previous_response_id, or its path), by how its \
-             engine was found: owner (known), located (asked of the engines), owner_unavailable \
-             (its engine is out of routing, or out of the set within discovery.left_grace_s), \
-             not_found",
-            &["outcome"],
-        );
-        plain(
-            out,
-            "responses_unhashed",
-            "Responses API requests routed without prefix hashing: input items or tools the \
-             gateway does not turn into the engine's chat prompt",
-            &self.responses_unhashed,
-        );
+        plain(out, "connections_refused", &self.connections_refused);
+        plain(out, "engine_changes", &self.engine_changes);
+        family(out, "admin_requests", &self.admin_requests, &["action", "status"]);
+        family(out, "response_lookups", &self.response_lookups, &["outcome"]);
+        plain(out, "responses_unhashed", &self.responses_unhashed);
         self.histograms.render(out);
     }
 }
 
-/// Appends one gauge sample (with its HELP and TYPE lines when `first`).
-pub fn gauge(out: &mut String, name: &str, help: &str, labels: &[(&str, &str)], value: f64) {
-    let name = format!("llmsched_gateway_{name}");
-    if !out.contains(&format!("# TYPE {name} gauge")) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+/// Appends one gauge sample of family `name` (with its HELP, from [`HELP`], and TYPE lines
+/// when it is the family's first).
+pub fn gauge(out: &mut String, name: &str, labels: &[(&str, &str)], value: f64) {
+    let family = format!("llmsched_gateway_{name}");
+    if !out.contains(&format!("# TYPE {family} gauge")) {
+        let _ = writeln!(out, "# HELP {family} {}\n# TYPE {family} gauge", help(name));
     }
+    let name = family;
     let names: Vec<&str> = labels.iter().map(|(n, _)| *n).collect();
     let values: Vec<String> = labels.iter().map(|(_, v)| v.to_string()).collect();
     let _ = writeln!(out, "{name}{} {value:?}", label_text(&names, &values));
@@ -347,8 +450,9 @@ impl Histogram {
         self.count.load(Ordering::Relaxed)
     }
 
-    /// Appends the histogram's exposition text.
-    pub fn render(&self, out: &mut String, name: &str, help: &str) {
+    /// Appends the histogram's exposition text (family `name`, its HELP from [`HELP`]).
+    pub fn render(&self, out: &mut String, name: &str) {
+        let help = help(name);
         let name = format!("llmsched_gateway_{name}");
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         let mut cumulative = 0;
@@ -390,18 +494,9 @@ impl Default for Histograms {
 impl Histograms {
     /// Appends their exposition text.
     pub fn render(&self, out: &mut String) {
-        self.decision.render(out, "decision_seconds", "Time of one routing decision (Router.pick)");
-        self.overhead.render(
-            out,
-            "overhead_seconds",
-            "Time from a request's arrival to its upstream send, without flow-control queueing \
-             (auth, parsing, tokenization, admission, routing)",
-        );
-        self.admission_wait.render(
-            out,
-            "admission_wait_seconds",
-            "Time a request waited in flow control before dispatch",
-        );
+        self.decision.render(out, "decision_seconds");
+        self.overhead.render(out, "overhead_seconds");
+        self.admission_wait.render(out, "admission_wait_seconds");
     }
 }
 
@@ -443,5 +538,28 @@ mod tests {
         let spelled: Vec<String> =
             [1e-5, 2.5e-5, 1e-4, 0.1, 60.0, 1e16, 1.5e17].into_iter().map(go_float).collect();
         assert_eq!(spelled, ["1e-05", "2.5e-05", "0.0001", "0.1", "60.0", "1e+16", "1.5e+17"]);
+    }
+
+    #[test]
+    fn every_help_text_comes_from_the_one_table() {
+        let mut names: Vec<&str> = HELP.iter().map(|(n, _)| *n).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), HELP.len(), "a family named twice in HELP");
+        assert!(HELP.iter().all(|(_, text)| !text.is_empty() && !text.contains('\n')));
+        let counters = Counters::default();
+        let mut out = String::new();
+        counters.render(&mut out);
+        gauge(&mut out, "tenants", &[], 1.0);
+        let mut seen = 0;
+        for line in out.lines().filter_map(|l| l.strip_prefix("# HELP llmsched_gateway_")) {
+            let (family, text) = line.split_once(' ').unwrap();
+            let name = family.strip_suffix("_total").unwrap_or(family);
+            assert_eq!(text, help(name), "{family}");
+            assert!(!text.is_empty(), "{family} has no entry in HELP");
+            seen += 1;
+        }
+        assert!(seen > 20, "{seen}");
+        assert_eq!(help("no_such_family"), "");
     }
 }

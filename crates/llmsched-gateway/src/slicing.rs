@@ -40,7 +40,7 @@ use crate::payload::Payload;
 use crate::truncation::Truncation;
 use crate::{
     deadline_refusal, json_answer, monotonic, prompt_tokens, wake_at, Answer, Cut, Gateway, Guards,
-    Refusal, Upstream, CUT_EVENT, DEADLINE_EVENT,
+    IdKind, Refusal, Upstream, CUT_EVENT, DEADLINE_EVENT,
 };
 
 /// At most this many queued requests are described to the tracker at a boundary.
@@ -139,6 +139,8 @@ pub(crate) struct SlicedRequest {
     pub(crate) priority: i32,
     pub(crate) prompt_tokens: usize,
     pub(crate) meta: RequestMeta,
+    /// What the ids of its prompt (and so of each continuation) are, for the token checks.
+    kind: IdKind,
     pub(crate) stream: bool,
     pub(crate) deadline: f64,
     pub(crate) guards: Guards,
@@ -170,6 +172,7 @@ impl SlicedRequest {
         priority: i32,
         prompt_tokens: usize,
         meta: RequestMeta,
+        kind: IdKind,
         stream: bool,
         deadline: f64,
         guards: Guards,
@@ -181,6 +184,7 @@ impl SlicedRequest {
             priority,
             prompt_tokens,
             meta,
+            kind,
             stream,
             deadline,
             guards,
@@ -482,6 +486,9 @@ impl Gateway {
             let before = monotonic();
             let decided = self.decide(&tokens, tokens.len(), &run.meta, before);
             self.counters.histograms.decision.observe(monotonic() - before);
+            // Each call a pick, checked as an unsliced request's (and as the Python plane's
+            // `Router.pick` checks each slice's).
+            self.check_ids(run.kind, &tokens, &run.meta, before);
             let decision = match decided {
                 Ok(decision) => decision,
                 Err(RoutingError::NoEndpoint { .. }) => {

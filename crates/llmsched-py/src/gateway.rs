@@ -508,7 +508,20 @@ impl PyNativePromptTokenizer {
     }
 }
 
+/// The HELP text of every family of the gateway's `/metrics`, by name without the
+/// `llmsched_gateway_` prefix (and a counter's `_total`): `llmsched_gateway::metrics::HELP`,
+/// which both data planes read (a new dict each call).
+#[pyfunction]
+fn gateway_metric_help(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let help = PyDict::new(py);
+    for &(name, text) in llmsched_gateway::metrics::HELP {
+        help.set_item(name, text)?;
+    }
+    Ok(help)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyNativeGateway>()?;
-    m.add_class::<PyNativePromptTokenizer>()
+    m.add_class::<PyNativePromptTokenizer>()?;
+    m.add_function(wrap_pyfunction!(gateway_metric_help, m)?)
 }

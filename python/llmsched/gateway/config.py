@@ -582,6 +582,8 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     notes: list[str] = []
     wired = _wire_router(router, raw, block_size, flow, engines, models, tokenizer, pd, notes)
     block_size, flow, engines, tokenizer, pd = wired
+    scrape = _scrape(_section(raw, "scrape"))
+    _note_short_staleness(router, scrape, notes)
     for key in ("chat_template", "default_chat_template_kwargs"):
         if raw.get(key) is not None and tokenizer is None:
             raise ConfigError(f"{key}: needs a tokenizer (it changes the chats' token ids)")
@@ -601,7 +603,7 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
         retries=_retries(_section(raw, "retries")),
         timeouts=_timeouts(_section(raw, "timeouts")),
         health=_health(_section(raw, "health")),
-        scrape=_scrape(_section(raw, "scrape")),
+        scrape=scrape,
         pd=pd,
         slices=_slices(_section(raw, "slices")),
         discovery=discovery,
@@ -924,6 +926,43 @@ def _cached_tokenizer(model: str) -> Path | None:
     if not found:
         return None
     return max(found, key=lambda d: (d / "tokenizer.json").stat().st_mtime)
+
+
+def _note_short_staleness(
+    router: str | Mapping[str, Any], scrape: ScrapeConfig, notes: list[str]
+) -> None:
+    """Notes a ``utilization-detector`` whose ``metricsStalenessThreshold`` is no longer than
+    the scrape interval: between two scrapes every engine's metrics grow older than it, so
+    the filter drops them all (and, failing open, keeps them all) and flow control counts
+    them saturated, for part of every interval. llm-d scrapes every 50 ms under its 200 ms
+    default; here the interval is ``scrape.interval_s``."""
+    from llmsched.routing import config_info, load_config
+
+    if not scrape.enabled:
+        return
+    plugins = load_config(router).get("plugins") or []
+    for i, plugin in enumerate(plugins):
+        if not isinstance(plugin, Mapping) or plugin.get("type") != "utilization-detector":
+            continue
+        params = plugin.get("parameters") or {}
+        text = params.get("metricsStalenessThreshold") if isinstance(params, Mapping) else None
+        if text is None:
+            continue
+        # The core's reading of the duration (the config loaded: it is valid).
+        alone = {"plugins": [{"type": "utilization-detector", "parameters": {
+            "metricsStalenessThreshold": text}}]}  # fmt: skip
+        saturation = config_info(alone)["saturation"]
+        seconds = None if saturation is None else saturation["metrics_staleness_s"]
+        if seconds is not None and seconds <= scrape.interval_s:
+            _note(
+                notes,
+                f"router config plugins[{i}].parameters.metricsStalenessThreshold: {text} is no "
+                f"longer than the scrape interval (scrape.interval_s {scrape.interval_s:g} s): "
+                "between two scrapes the engines' metrics are older than it, so for part of "
+                "every interval the detector drops them (keeping all, as it fails open) and "
+                "flow control counts them saturated; set it above the interval (several "
+                "intervals, as the default staleness is) or leave it out",
+            )
 
 
 def _note(notes: list[str], message: str) -> None:

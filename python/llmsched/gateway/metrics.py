@@ -9,12 +9,14 @@ are read when ``/metrics`` is scraped, by :class:`_StateCollector`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from llmsched import _llmsched
 from llmsched.flow import FlowController
 from llmsched.gateway.engine_models import ModelFinding
 from llmsched.prefix_index import PrefixIndex
@@ -29,26 +31,33 @@ __all__ = [
     "cluster_metrics_text",
     "config_metrics_text",
     "kubernetes_metrics_text",
+    "metric_help",
     "model_check_metrics_text",
 ]
 
 PREFIX = "llmsched_gateway"
 
-DISCOVERY_ERRORS_HELP = (
-    "Discovery updates that failed: a discovery file that could not be read or checked, or a "
-    "set of Kubernetes engines the gateway refused (the current engines were kept)"
-)
+_HELP: Final[Mapping[str, str]] = MappingProxyType(_llmsched.gateway_metric_help())
+"""Every family's HELP text, by name without the prefix (and a counter's ``_total``): the
+native gateway's table (``crates/llmsched-gateway/src/metrics.rs``, ``HELP``), the one place
+both data planes take them from."""
+
+
+def metric_help(name: str) -> str:
+    """The HELP text of family ``llmsched_gateway_<name>`` (a counter without its ``_total``),
+    as both data planes give it; KeyError for a family the gateway does not export.
+
+    >>> metric_help("retries")
+    'Requests re-sent to another endpoint'
+    """
+    return _HELP[name]
+
+
+DISCOVERY_ERRORS_HELP = _HELP["discovery_errors"]
+"""The HELP text of ``llmsched_gateway_discovery_errors_total``."""
 
 KV_FAILING_SOCKETS = f"{PREFIX}_kv_events_failing_sockets"
-KV_FAILING_HELP = (
-    "KV-event sockets whose bind or connect failed and has not succeeded since (retried with "
-    "backoff; the log names the endpoint and the error)"
-)
-
-ENDPOINT_IN_FLIGHT_HELP = (
-    "Requests this gateway started on an endpoint and has not finished (endpoints in routing; "
-    "other replicas' requests are not counted)"
-)
+KV_FAILING_HELP = _HELP["kv_events_failing_sockets"]
 
 # Decisions take tens of microseconds; requests through the gateway take milliseconds.
 _DECISION_BUCKETS = (
@@ -81,154 +90,134 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter(
             f"{PREFIX}_requests",
-            "Requests answered, by route and HTTP status",
+            _HELP["requests"],
             ["route", "status"],
             registry=r,
         )
         self.rejections = Counter(
             f"{PREFIX}_rejections",
-            "Requests refused by the gateway, by reason (the dropped-reason header value for "
-            "flow-control refusals)",
+            _HELP["rejections"],
             ["reason"],
             registry=r,
         )
         self.decision_seconds = Histogram(
             f"{PREFIX}_decision_seconds",
-            "Time of one routing decision (Router.pick)",
+            _HELP["decision_seconds"],
             buckets=_DECISION_BUCKETS,
             registry=r,
         )
         self.overhead_seconds = Histogram(
             f"{PREFIX}_overhead_seconds",
-            "Time from a request's arrival to its upstream send, without flow-control queueing "
-            "(auth, parsing, tokenization, admission, routing)",
+            _HELP["overhead_seconds"],
             buckets=_DECISION_BUCKETS,
             registry=r,
         )
         self.queue_seconds = Histogram(
             f"{PREFIX}_admission_wait_seconds",
-            "Time a request waited in flow control before dispatch",
+            _HELP["admission_wait_seconds"],
             buckets=_OVERHEAD_BUCKETS,
             registry=r,
         )
         self.upstream_errors = Counter(
             f"{PREFIX}_upstream_errors",
-            "Failed upstream attempts, by endpoint and kind (connect, timeout, status_5xx, broken, "
-            "truncated)",
+            _HELP["upstream_errors"],
             ["endpoint", "kind"],
             registry=r,
         )
-        self.slices = Counter(
-            f"{PREFIX}_slices", "Engine calls made for sliced requests (one per slice)", registry=r
-        )
-        self.retries = Counter(
-            f"{PREFIX}_retries", "Requests re-sent to another endpoint", registry=r
-        )
+        self.slices = Counter(f"{PREFIX}_slices", _HELP["slices"], registry=r)
+        self.retries = Counter(f"{PREFIX}_retries", _HELP["retries"], registry=r)
         self.poisoned_requests = Counter(
             f"{PREFIX}_poisoned_requests",
-            "Requests that failed on two or more engines (5xx answers, connections dropped "
-            "before the status line) and were answered by none, counted against no engine's "
-            "breaker",
+            _HELP["poisoned_requests"],
             registry=r,
         )
         self.session_tokens_ignored = Counter(
             f"{PREFIX}_session_tokens_ignored",
-            "Requests whose x-session-token was ignored (not base64 of UTF-8 text, another "
-            "namespace, or naming no engine of the gateway's)",
+            _HELP["session_tokens_ignored"],
             registry=r,
         )
         self.response_lookups = Counter(
             f"{PREFIX}_response_lookups",
-            "Requests naming a stored response (previous_response_id, or its path), by how "
-            "its engine was found: owner (known), located (asked of the engines), "
-            "owner_unavailable (its engine is out of routing, or out of the set within "
-            "discovery.left_grace_s), not_found",
+            _HELP["response_lookups"],
             ["outcome"],
             registry=r,
         )
         self.responses_unhashed = Counter(
             f"{PREFIX}_responses_unhashed",
-            "Responses API requests routed without prefix hashing: input items or tools the "
-            "gateway does not turn into the engine's chat prompt",
+            _HELP["responses_unhashed"],
             registry=r,
         )
         self.response_owners = Gauge(
             f"{PREFIX}_response_owners",
-            "Stored responses whose engine the gateway knows",
+            _HELP["response_owners"],
             registry=r,
         )
         self.routed = Counter(
             f"{PREFIX}_routed",
-            "Requests sent to each endpoint (the successful attempt)",
+            _HELP["routed"],
             ["endpoint"],
             registry=r,
         )
         self.ejections = Counter(
             f"{PREFIX}_ejections",
-            "Times an endpoint was taken down after failing its health probes",
+            _HELP["ejections"],
             ["endpoint"],
             registry=r,
         )
         self.breaker_opens = Counter(
             f"{PREFIX}_breaker_opens",
-            "Times an endpoint's circuit breaker opened (failure rate over the window)",
+            _HELP["breaker_opens"],
             ["endpoint"],
             registry=r,
         )
         self.probes = Counter(
             f"{PREFIX}_health_probes",
-            "Health probes of endpoints, by result (ok, failed)",
+            _HELP["health_probes"],
             ["endpoint", "result"],
             registry=r,
         )
         self.engine_up = Gauge(
             f"{PREFIX}_endpoint_up",
-            "1 when an endpoint is in routing, 0 when down or its breaker is open",
+            _HELP["endpoint_up"],
             ["endpoint"],
             registry=r,
         )
         self.truncated = Counter(
             f"{PREFIX}_truncated_answers",
-            "Engine answers cut off or timed out after their status line, by what the client "
-            "got (error: a 502 before any byte; reset: connection reset mid-body; "
-            "sse_error: an SSE error event, then the stream closed without [DONE])",
+            _HELP["truncated_answers"],
             ["endpoint", "outcome"],
             registry=r,
         )
         self.admin_requests = Counter(
             f"{PREFIX}_admin_requests",
-            "Admin API calls, by action and HTTP status",
+            _HELP["admin_requests"],
             ["action", "status"],
             registry=r,
         )
-        self.tenants = Gauge(
-            f"{PREFIX}_tenants", "Distinct tenant names taken from request headers", registry=r
-        )
+        self.tenants = Gauge(f"{PREFIX}_tenants", _HELP["tenants"], registry=r)
         self.tenants_folded = Counter(
             f"{PREFIX}_tenants_folded",
-            "Requests whose header tenant came past limits.max_tenants (served as ~overflow)",
+            _HELP["tenants_folded"],
             registry=r,
         )
-        self.connections = Gauge(f"{PREFIX}_connections", "Client connections open now", registry=r)
+        self.connections = Gauge(f"{PREFIX}_connections", _HELP["connections"], registry=r)
         self.body_bytes_in_flight = Gauge(
             f"{PREFIX}_body_bytes_in_flight",
-            "Bytes of the request bodies being received, held against "
-            "limits.max_body_bytes_in_flight (a declared Content-Length counts whole from the "
-            "start)",
+            _HELP["body_bytes_in_flight"],
             registry=r,
         )
         self.connections_refused = Counter(
             f"{PREFIX}_connections_refused",
-            "Client connections refused at limits.max_connections",
+            _HELP["connections_refused"],
             registry=r,
         )
         self.engines_changed = Counter(
             f"{PREFIX}_engine_changes",
-            "Engines added, removed or changed by discovery",
+            _HELP["engine_changes"],
             registry=r,
         )
         self.discovery_errors = Counter(
-            f"{PREFIX}_discovery_errors", DISCOVERY_ERRORS_HELP, registry=r
+            f"{PREFIX}_discovery_errors", _HELP["discovery_errors"], registry=r
         )
         r.register(
             _StateCollector(
@@ -283,20 +272,18 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats: Mapping[str, Any] = self._index.stats()
-        for key, help_text in (
-            ("blocks", "Blocks held in the prefix index"),
-            ("workers", "Workers known to the prefix index"),
-            ("bytes", "Estimated bytes used by the prefix index"),
-        ):
-            yield GaugeMetricFamily(f"{PREFIX}_index_{key}", help_text, value=stats[key])
+        for key in ("blocks", "workers", "bytes"):
+            yield GaugeMetricFamily(
+                f"{PREFIX}_index_{key}", _HELP[f"index_{key}"], value=stats[key]
+            )
         yield CounterMetricFamily(
             f"{PREFIX}_index_evicted_blocks",
-            "Blocks the prefix index evicted for index.max_bytes or a worker's capacity",
+            _HELP["index_evicted_blocks"],
             value=stats["evicted_blocks"],
         )
         if self._endpoints is not None:
             in_flight = GaugeMetricFamily(
-                f"{PREFIX}_endpoint_in_flight", ENDPOINT_IN_FLIGHT_HELP, labels=["endpoint"]
+                f"{PREFIX}_endpoint_in_flight", _HELP["endpoint_in_flight"], labels=["endpoint"]
             )
             for endpoint in self._endpoints():
                 # This gateway's own, as on the native plane: the pool's count adds the other
@@ -307,7 +294,7 @@ class _StateCollector(Collector):
         if self._scrapes is not None:
             failures = CounterMetricFamily(
                 f"{PREFIX}_scrape_failures",
-                "Failed metrics scrapes of endpoints, by kind (timeout, failed)",
+                _HELP["scrape_failures"],
                 labels=["endpoint", "kind"],
             )
             for worker, scrape in sorted(self._scrapes().items()):
@@ -324,52 +311,51 @@ class _StateCollector(Collector):
             yield from _cluster_metrics(cluster)
         if self._kv_counters is not None:
             family = CounterMetricFamily(
-                f"{PREFIX}_kv_events", "KV-event subscriber counters", labels=["counter"]
+                f"{PREFIX}_kv_events", _HELP["kv_events"], labels=["counter"]
             )
             for name, value in sorted(self._kv_counters().items()):
                 family.add_metric([name], value)
             yield family
         if self._kv_failing is not None:
             yield GaugeMetricFamily(
-                KV_FAILING_SOCKETS, KV_FAILING_HELP, value=len(self._kv_failing())
+                KV_FAILING_SOCKETS,
+                _HELP["kv_events_failing_sockets"],
+                value=len(self._kv_failing()),
             )
 
     @staticmethod
     def _flow_metrics(metrics: FlowMetrics) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             f"{PREFIX}_saturation",
-            "Pool saturation seen by flow control",
+            _HELP["saturation"],
             value=metrics["saturation"],
         )
         queued = GaugeMetricFamily(
             f"{PREFIX}_queue_length",
-            "Requests waiting in flow control, by priority",
+            _HELP["queue_length"],
             labels=["priority"],
         )
         for band in metrics["bands"]:
             queued.add_metric([str(band["priority"])], band["queued"])
         yield queued
-        yield GaugeMetricFamily(
-            f"{PREFIX}_running", "Dispatched requests not yet complete", value=metrics["running"]
-        )
+        yield GaugeMetricFamily(f"{PREFIX}_running", _HELP["running"], value=metrics["running"])
         yield GaugeMetricFamily(
             f"{PREFIX}_flow_tenants",
-            "Tenants with a flow in flow control (idle flows are reclaimed after flow_idle_s)",
+            _HELP["flow_tenants"],
             value=metrics["tenants"],
         )
         yield CounterMetricFamily(
             f"{PREFIX}_flows_reclaimed",
-            "Flows reclaimed after flow_idle_s without a queued or running request",
+            _HELP["flows_reclaimed"],
             value=metrics["flows_reclaimed"],
         )
         yield CounterMetricFamily(
             f"{PREFIX}_priorities_folded",
-            "Requests queued in the nearest band below their priority, 256 bands besides the "
-            "configured ones being made",
+            _HELP["priorities_folded"],
             value=metrics["priorities_folded"],
         )
         outcomes = CounterMetricFamily(
-            f"{PREFIX}_flow_outcomes", "Flow-control outcomes, by outcome", labels=["outcome"]
+            f"{PREFIX}_flow_outcomes", _HELP["flow_outcomes"], labels=["outcome"]
         )
         for key, count in sorted(metrics["outcomes"].items()):
             outcomes.add_metric([key], count)
@@ -379,18 +365,16 @@ class _StateCollector(Collector):
 def _cluster_metrics(stats: Mapping[str, object]) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         f"{PREFIX}_cluster_connected",
-        "1 while the replica-sync bus is connected (0: routing on local state only)",
+        _HELP["cluster_connected"],
         value=1 if stats["connected"] else 0,
     )
     peers = stats["peers"]
     yield GaugeMetricFamily(
         f"{PREFIX}_cluster_peers",
-        "Other gateway replicas heard from within cluster.load_ttl_s",
+        _HELP["cluster_peers"],
         value=len(peers) if isinstance(peers, list) else 0,
     )
-    family = CounterMetricFamily(
-        f"{PREFIX}_cluster", "Replica-sync counters (llmsched.cluster)", labels=["counter"]
-    )
+    family = CounterMetricFamily(f"{PREFIX}_cluster", _HELP["cluster"], labels=["counter"])
     for name, value in sorted(stats.items()):
         if isinstance(value, int) and not isinstance(value, bool):
             family.add_metric([name], value)
@@ -409,14 +393,12 @@ def _config_metrics(
     ``llmsched_gateway_engine_block_size_mismatch`` (by engine)."""
     yield GaugeMetricFamily(
         f"{PREFIX}_config_warnings",
-        "Notes about a configuration that will route badly, each logged once (logger llmsched) "
-        "and listed in the scheduler's warnings",
+        _HELP["config_warnings"],
         value=warnings,
     )
     skipped = CounterMetricFamily(
         f"{PREFIX}_index_block_size_mismatch",
-        "Stored KV events skipped because the engine's block size is not a multiple of the "
-        "gateway's block_size (that engine's cache is never matched)",
+        _HELP["index_block_size_mismatch"],
         labels=["engine"],
     )
     for worker, count in sorted(block_size_mismatch.items(), key=lambda item: str(item[0])):
@@ -424,9 +406,7 @@ def _config_metrics(
     yield skipped
     keyed = CounterMetricFamily(
         f"{PREFIX}_index_extra_keys",
-        "Stored KV events skipped for extra keys the index cannot name (a LoRA adapter named "
-        "only by its number, keys beside the LoRA name and a prompt's cache salt): those "
-        "blocks are never matched",
+        _HELP["index_extra_keys"],
         labels=["engine"],
     )
     for worker, count in sorted(extra_keys.items(), key=lambda item: str(item[0])):
@@ -434,8 +414,7 @@ def _config_metrics(
     yield keyed
     sizes = GaugeMetricFamily(
         f"{PREFIX}_engine_block_size_mismatch",
-        "The KV block size an engine's /metrics gives, where its KV events feed the index and "
-        "that size is not a multiple of the gateway's block_size (its cache is never matched)",
+        _HELP["engine_block_size_mismatch"],
         labels=["engine"],
     )
     for worker, size in sorted(engine_block_sizes.items(), key=lambda item: str(item[0])):
@@ -476,8 +455,7 @@ def config_metrics_text(
 def _model_mismatches(findings: list[ModelFinding]) -> Metric:
     family = GaugeMetricFamily(
         f"{PREFIX}_engine_model_mismatches",
-        "Models an engine serves other than the config names them (its /v1/models, checked "
-        "by llmsched.gateway.engine_models), by engine and kind",
+        _HELP["engine_model_mismatches"],
         labels=["engine", "kind"],
     )
     counts: dict[tuple[str, str], int] = {}
@@ -492,18 +470,17 @@ def _model_mismatches(findings: list[ModelFinding]) -> Metric:
 def _kubernetes_metrics(stats: PodDiscoveryStats) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         f"{PREFIX}_kubernetes_synced",
-        "1 once the first list of pods has been offered (until then the gateway has no engines)",
+        _HELP["kubernetes_synced"],
         value=1 if stats["synced"] else 0,
     )
     yield GaugeMetricFamily(
         f"{PREFIX}_kubernetes_engines",
-        "Engines taken from the Ready pods last",
+        _HELP["kubernetes_engines"],
         value=stats["engines"],
     )
     counters = CounterMetricFamily(
         f"{PREFIX}_kubernetes_discovery",
-        "Kubernetes discovery counters (KubernetesDiscovery.counters: lists, watches, events, "
-        "errors, ...)",
+        _HELP["kubernetes_discovery"],
         labels=["counter"],
     )
     for name, value in sorted(stats["counters"].items()):
@@ -511,7 +488,7 @@ def _kubernetes_metrics(stats: PodDiscoveryStats) -> Iterator[Metric]:
     yield counters
     skipped = GaugeMetricFamily(
         f"{PREFIX}_kubernetes_skipped_pod",
-        "Ready pods left out of the engines (1 each), with why",
+        _HELP["kubernetes_skipped_pod"],
         labels=["pod", "reason"],
     )
     for pod, why in sorted(stats["skipped_pods"].items()):

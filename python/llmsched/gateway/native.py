@@ -73,12 +73,11 @@ from llmsched.gateway.config import (
 )
 from llmsched.gateway.engine_models import EngineModelCheck
 from llmsched.gateway.metrics import (
-    DISCOVERY_ERRORS_HELP,
-    KV_FAILING_HELP,
     KV_FAILING_SOCKETS,
     cluster_metrics_text,
     config_metrics_text,
     kubernetes_metrics_text,
+    metric_help,
     model_check_metrics_text,
 )
 from llmsched.gateway.pod_discovery import PodDiscovery
@@ -616,7 +615,7 @@ class NativeGateway:
         subscriber's counters and failing sockets, replica sync's state and the engines' model
         check."""
         lines = [
-            f"# HELP llmsched_gateway_discovery_errors_total {DISCOVERY_ERRORS_HELP}",
+            f"# HELP llmsched_gateway_discovery_errors_total {metric_help('discovery_errors')}",
             "# TYPE llmsched_gateway_discovery_errors_total counter",
             f"llmsched_gateway_discovery_errors_total {float(self._discovery_errors)}",
         ]
@@ -633,7 +632,7 @@ class NativeGateway:
         subscriber = self.scheduler.subscriber
         failing = 0 if subscriber is None else len(subscriber.failing_sockets())
         lines += [
-            f"# HELP {KV_FAILING_SOCKETS} {KV_FAILING_HELP}",
+            f"# HELP {KV_FAILING_SOCKETS} {metric_help('kv_events_failing_sockets')}",
             f"# TYPE {KV_FAILING_SOCKETS} gauge",
             f"{KV_FAILING_SOCKETS} {float(failing)}",
         ]
@@ -642,7 +641,7 @@ class NativeGateway:
         if not counters:
             return "\n".join(lines) + "\n" + cluster
         lines += [
-            "# HELP llmsched_gateway_kv_events_total KV-event subscriber counters",
+            f"# HELP llmsched_gateway_kv_events_total {metric_help('kv_events')}",
             "# TYPE llmsched_gateway_kv_events_total counter",
         ]
         for name, value in sorted(counters.items()):

@@ -31,6 +31,7 @@ ReferencePd(uncached_tokens=512, wanted=True, choices=[('p', 'split')])
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,10 @@ class ReferenceEndpoint:
     running: int = 0
     kv_cache_usage: float = 0.0
     saturated: bool = False
+    metrics_age_s: float | None = 0.0
+    """Seconds since its metrics were taken (None: never reported); only a
+    ``utilization-detector`` with its own ``metricsStalenessThreshold`` reads it, the rest read
+    ``saturated`` (the pool's staleness)."""
     in_flight_requests: int = 0
     in_flight_prefill_requests: int = 0
     in_flight_prefill_tokens: int = 0
@@ -146,6 +151,19 @@ def _score(
     raise NotImplementedError(kind)
 
 
+_GO_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _go_duration_s(text: str) -> float:
+    """A Go duration (``"200ms"``, ``"1m30s"``) in seconds.
+
+    >>> _go_duration_s("1m30s"), _go_duration_s("50ms")
+    (90.0, 0.05)
+    """
+    parts = re.findall(r"([0-9.]+)([a-z]+)", text)
+    return sum(float(number) * _GO_UNITS[unit] for number, unit in parts)
+
+
 def _filter(
     kind: str, p: Mapping[str, Any], eps: list[ReferenceEndpoint], ctx: Context
 ) -> tuple[list[bool], bool]:
@@ -159,12 +177,20 @@ def _filter(
         kv = p.get("kvCacheUtilThreshold", 0.8)
         return [not e.saturated and e.waiting < q and e.kv_cache_usage < kv for e in eps], True
     if kind == "utilization-detector":
-        # llm-d's detector as a filter: limits relaxed by headroom, compared as floats.
+        # llm-d's detector as a filter: limits relaxed by headroom, compared as floats; stale
+        # by its own threshold when given, else by the pool's.
         scale = 1.0 + p.get("headroom", 0.0)
         q_limit = p.get("queueDepthThreshold", 5) * scale
         kv_limit = p.get("kvCacheUtilThreshold", 0.8) * scale
+        threshold = p.get("metricsStalenessThreshold")
+        limit = None if threshold is None else _go_duration_s(threshold)
         return [
-            not e.saturated and e.waiting < q_limit and e.kv_cache_usage < kv_limit for e in eps
+            not (
+                e.saturated if limit is None else e.metrics_age_s is None or e.metrics_age_s > limit
+            )
+            and e.waiting < q_limit
+            and e.kv_cache_usage < kv_limit
+            for e in eps
         ], True
     if kind == "by-label":
         return [

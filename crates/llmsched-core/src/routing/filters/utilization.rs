@@ -6,11 +6,14 @@
 //!
 //! `utilization-detector`: llm-d's current saturation detector, which is also a filter. Its
 //! thresholds (`queueDepthThreshold` 5, `kvCacheUtilThreshold` 0.8,
-//! `metricsStalenessThreshold` "200ms") are flow control's when `saturationDetector.pluginRef`
+//! `metricsStalenessThreshold`, no default here: see below) are flow control's when `saturationDetector.pluginRef`
 //! names it (read by [`crate::routing::config`]); listed in a profile, it keeps endpoints with
 //! `waiting < queueDepthThreshold * (1 + headroom)` and `kv < kvCacheUtilThreshold * (1 +
 //! headroom)` (llm-d's comparison, in f64), dropping stale ones, and fails open as llm-d's
-//! filter does. Stale means what the pool marks stale (`EndpointPool(stale_after_s=...)`).
+//! filter does. Stale means metrics older than `metricsStalenessThreshold` when the parameter
+//! is given (llm-d's `Filter` drops them whatever its staleness policy), else what the pool
+//! marks stale (`EndpointPool(stale_after_s=...)`; the gateway's follows its scrape interval,
+//! as flow control's staleness does when the parameter is left out).
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -44,6 +47,9 @@ pub struct UtilizationFilter {
     queue: f64,
     kv: f64,
     running: u32,
+    /// Metrics older than this many seconds are stale (the detector's explicit
+    /// `metricsStalenessThreshold`); None: the pool's staleness (`Candidate::saturated`).
+    stale_after: Option<f64>,
 }
 
 impl Filter for UtilizationFilter {
@@ -53,14 +59,19 @@ impl Filter for UtilizationFilter {
 
     fn filter(
         &self,
-        _: &RequestContext<'_>,
+        ctx: &RequestContext<'_>,
         cands: &[Candidate],
         keep: &mut [bool],
         _: &mut DecisionRng,
     ) -> PluginResult {
         for (k, c) in keep.iter_mut().zip(cands) {
             let m = &c.metrics;
-            *k = !c.saturated
+            let stale = match self.stale_after {
+                // Never reported (timestamp -inf) is stale too, as llm-d's nil metrics.
+                Some(limit) => ctx.now - m.timestamp > limit,
+                None => c.saturated,
+            };
+            *k = !stale
                 && f64::from(m.waiting) < self.queue
                 && m.kv_cache_usage < self.kv
                 && m.running < self.running;
@@ -80,6 +91,7 @@ pub fn factory(params: &Value) -> Result<Plugin, ParamError> {
         queue: f64::from(p.queue_depth_threshold),
         kv: p.kv_cache_util_threshold,
         running: p.max_running_requests.unwrap_or(u32::MAX),
+        stale_after: None,
     }))
 }
 
@@ -110,7 +122,8 @@ pub fn doc() -> PluginDoc {
 struct DetectorParams {
     queue_depth_threshold: u32,
     kv_cache_util_threshold: f64,
-    metrics_staleness_threshold: String,
+    /// Absent: the pool's staleness (see the module docs).
+    metrics_staleness_threshold: Option<String>,
     headroom: f64,
 }
 
@@ -119,7 +132,7 @@ impl Default for DetectorParams {
         DetectorParams {
             queue_depth_threshold: 5,
             kv_cache_util_threshold: 0.8,
-            metrics_staleness_threshold: "200ms".into(),
+            metrics_staleness_threshold: None,
             headroom: 0.0,
         }
     }
@@ -136,16 +149,20 @@ pub fn detector_factory(params: &Value) -> Result<Plugin, ParamError> {
             format!("must be in (0, 1], got {}", p.kv_cache_util_threshold),
         ));
     }
-    match crate::routing::config::parse_duration(&p.metrics_staleness_threshold) {
-        Ok(s) if s > 0.0 => {}
-        Ok(_) => return Err(ParamError::new("metricsStalenessThreshold", "must be positive")),
-        Err(m) => return Err(ParamError::new("metricsStalenessThreshold", m)),
-    }
+    let stale_after = match p.metrics_staleness_threshold.as_deref() {
+        None => None,
+        Some(text) => match crate::routing::config::parse_duration(text) {
+            Ok(s) if s > 0.0 => Some(s),
+            Ok(_) => return Err(ParamError::new("metricsStalenessThreshold", "must be positive")),
+            Err(m) => return Err(ParamError::new("metricsStalenessThreshold", m)),
+        },
+    };
     check_range("headroom", p.headroom, 0.0, f64::MAX)?;
     Ok(Plugin::filter(UtilizationFilter {
         queue: f64::from(p.queue_depth_threshold) * (1.0 + p.headroom),
         kv: p.kv_cache_util_threshold * (1.0 + p.headroom),
         running: u32::MAX,
+        stale_after,
     }))
 }
 
@@ -163,8 +180,9 @@ const DETECTOR_PARAMS: &[ParamDoc] = &[
     .max(1.0),
     ParamDoc::string(
         "metricsStalenessThreshold",
-        "metrics older than this (a Go duration) are stale: flow control's staleness; as a \
-         filter, stale endpoints are those the pool marks stale",
+        "metrics older than this (a Go duration) are stale: flow control's staleness, and as a \
+         filter stale endpoints are dropped (llm-d's default 200ms is not assumed: absent, \
+         both follow the pool's staleness, the gateway's scrape interval)",
     ),
     ParamDoc::number(
         "headroom",
@@ -191,13 +209,13 @@ mod tests {
 
     #[test]
     fn table() {
-        let f = UtilizationFilter { queue: 5.0, kv: 0.8, running: u32::MAX };
+        let f = UtilizationFilter { queue: 5.0, kv: 0.8, running: u32::MAX, stale_after: None };
         let fx = Fixture::new(4).waiting(&[0, 4, 5, 1]).kv(&[0.1, 0.79, 0.2, 0.8]);
         assert_eq!(fx.filter(&f), vec![0, 1]);
         let mut stale = Fixture::new(2);
         stale.candidates[0].saturated = true;
         assert_eq!(stale.filter(&f), vec![1]);
-        let capped = UtilizationFilter { queue: 5.0, kv: 0.8, running: 3 };
+        let capped = UtilizationFilter { queue: 5.0, kv: 0.8, running: 3, stale_after: None };
         assert_eq!(Fixture::new(2).running(&[2, 3]).filter(&capped), vec![0]);
         assert_eq!(f.on_empty(), OnEmpty::FailOpen);
     }
@@ -221,5 +239,31 @@ mod tests {
             let Err(e) = detector_factory(&params) else { panic!("{params} accepted") };
             assert!(e.path == field || e.message.contains("queueDepth"), "{e:?}");
         }
+    }
+
+    #[test]
+    fn detector_staleness_threshold_is_its_own() {
+        let build = |params| {
+            let Plugin::Filter(d) = detector_factory(&params).unwrap() else { panic!("a filter") };
+            d
+        };
+        // Metrics 0.1 s old at now 0 (timestamp -0.1), one never reported, one the pool marks
+        // stale although 0.01 s old.
+        let mut fx = Fixture::new(4);
+        fx.candidates[0].metrics.timestamp = -0.1;
+        fx.candidates[1].metrics.timestamp = f64::NEG_INFINITY;
+        fx.candidates[2].metrics.timestamp = -0.01;
+        fx.candidates[2].saturated = true;
+        fx.candidates[3].metrics.timestamp = -0.01;
+        // The threshold given: it alone judges staleness, not the pool's mark.
+        let d = build(serde_json::json!({"metricsStalenessThreshold": "50ms"}));
+        assert_eq!(fx.filter(d.as_ref()), vec![2, 3]);
+        let d = build(serde_json::json!({"metricsStalenessThreshold": "1s"}));
+        assert_eq!(fx.filter(d.as_ref()), vec![0, 2, 3]);
+        // Left out: the pool's mark.
+        let d = build(serde_json::json!({}));
+        assert_eq!(fx.filter(d.as_ref()), vec![0, 1, 3]);
+        // Every endpoint stale: fails open (the profile keeps all).
+        assert_eq!(d.on_empty(), OnEmpty::FailOpen);
     }
 }
