@@ -519,7 +519,7 @@ impl Gateway {
                 .map_err(|e| SliceFailed(format!("the continuation cannot be routed: {e}")))?;
             let router = self.router();
             let before = monotonic();
-            let decided = self.decide(&tokens, tokens.len(), &run.meta, before);
+            let decided = self.decide_off_runtime(&tokens, tokens.len(), &run.meta, before).await;
             self.counters.histograms.decision.observe(monotonic() - before);
             let decision = match decided {
                 Ok(decision) => decision,

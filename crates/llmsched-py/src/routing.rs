@@ -378,6 +378,10 @@ impl Scorer for PyCallable {
     fn reads_metrics(&self) -> bool {
         self.reads_metrics
     }
+
+    fn may_block(&self) -> bool {
+        true
+    }
 }
 
 impl Filter for PyCallable {
@@ -390,6 +394,10 @@ impl Filter for PyCallable {
     ) -> PluginResult {
         keep.copy_from_slice(&self.call::<bool>(ctx, cands, "bool")?);
         Ok(())
+    }
+
+    fn may_block(&self) -> bool {
+        true
     }
 
     fn on_empty(&self) -> OnEmpty {
