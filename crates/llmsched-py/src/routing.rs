@@ -414,7 +414,8 @@ const PY_PLUGIN_PARAMS: &[ParamDoc] = &[
     ParamDoc::new(
         "function",
         ParamKind::Callable,
-        "`fn(request, endpoints)`, called once per decision with the GIL held",
+        "`fn(request, endpoints)`, called once per decision with the GIL held: the callable \
+         itself in a dict config, its import path `\"module:function\"` in a YAML or JSON one",
     )
     .required(),
     ParamDoc::boolean("failOpen", "a filter that would keep nothing keeps everything instead"),
