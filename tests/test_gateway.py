@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 
 import pytest
 from _gateway_harness import MODEL, Rig, current_plane, plane, rig, run, until  # noqa: F401 (the fixture)
@@ -578,6 +579,46 @@ def test_a_failing_python_plugin_is_a_500_that_says_why_and_the_gateway_goes_on(
     logged += [line for line in capfd.readouterr().err.splitlines() if "routing failed" in line]
     # Once per distinct message: the repeated ValueError is logged once.
     assert len(logged) == 5, logged
+
+
+def test_a_slow_python_plugin_does_not_stall_the_native_runtime() -> None:
+    """Probe 100: on the native plane a Python scorer ran on the runtime's worker thread: with
+    ``native_threads: 1`` every other request and ``/health`` waited for as long as it ran.
+    A router with a Python plugin now decides on the runtime's blocking pool: ``/health`` and
+    another request are answered while the plugin is still deciding the first one (it waits
+    until the test lets it go)."""
+    if current_plane() == "python":
+        pytest.skip("the Python plane runs a plugin on its event loop (docs/routing.md)")
+    entered = threading.Event()
+    release = threading.Event()
+
+    def scorer(request: dict[str, object], endpoints: list[dict[str, object]]) -> list[float]:
+        if request.get("prompt_tokens") == 7:
+            entered.set()
+            release.wait(timeout=20)
+        return [0.5] * len(endpoints)
+
+    async def body() -> None:
+        router = {
+            "plugins": [
+                {"type": "python-scorer", "name": "slow", "parameters": {"function": scorer}}
+            ],
+            "schedulingProfiles": [{"name": "p", "plugins": [{"pluginRef": "slow"}]}],
+        }
+        async with rig(engines=1, router=router, native_threads=1) as r:
+            slow = asyncio.ensure_future(r.complete(list(range(1, 8))))
+            try:
+                await until(entered.is_set)
+                async with r.client.get(r.url("/health")) as response:
+                    assert response.status == 200
+                # Another request's decision does not wait for the slow one either.
+                assert (await r.complete([1, 2])).status == 200
+                assert not release.is_set() and not slow.done()
+            finally:
+                release.set()
+            assert (await slow).status == 200
+
+    run(body())
 
 
 def test_a_cache_salt_routes_in_its_own_namespace() -> None:

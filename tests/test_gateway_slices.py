@@ -8,7 +8,15 @@ from typing import Any
 
 import aiohttp
 import pytest
-from _gateway_harness import MODEL, Rig, plane, rig, run, until  # noqa: F401 (the fixture)
+from _gateway_harness import (  # noqa: F401 (the fixture)
+    MODEL,
+    Rig,
+    plane,
+    read_cut_off,
+    rig,
+    run,
+    until,
+)
 
 from llmsched.slices import SliceAssembler
 from llmsched.testing.openai_engine import OUTPUT_ID_BASE, FakeOpenAIEngine
@@ -477,5 +485,64 @@ def test_an_answer_a_stop_token_ended_gives_its_id_as_stop_reason(api: str, stre
         want = ("".join(f" t{i}" for i in range(6)), "stop", stop_id)
         assert await answer(sliced=False) == want  # the engine's own, relayed whole
         assert await answer(sliced=True) == want
+
+    run(body())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("failing", [0, 1], ids=["first-slice", "continuation"])
+def test_a_python_plugin_failing_a_slices_decision_is_a_routing_failure(
+    failing: int, stream: bool
+) -> None:
+    """Probe 100: a router plugin that failed a slice's decision ended the request as a failed
+    slice, a 502 ``upstream_error`` counted in ``upstream_errors{kind="slice"}`` against an
+    engine that did nothing wrong. Now it is what an unsliced request gets: a 500
+    ``internal_error`` "routing failed: ..." with ``x-llmsched-dropped-reason:
+    routing_failed``, counted in ``rejections_total{reason="routing_failed"}``; once the
+    stream started, its error event says so and the stream is cut (no ``[DONE]``), counted as
+    the routing failure and the cut, not as an engine's error."""
+    decisions: list[int] = []
+
+    def scorer(request: dict[str, object], endpoints: list[dict[str, object]]) -> list[float]:
+        decisions.append(len(decisions))
+        if len(decisions) == failing + 1:
+            raise ValueError("my plugin is broken")
+        return [0.5] * len(endpoints)
+
+    router = {
+        "plugins": [{"type": "python-scorer", "name": "mine", "parameters": {"function": scorer}}],
+        "schedulingProfiles": [{"name": "p", "plugins": [{"pluginRef": "mine"}]}],
+    }
+
+    async def body() -> None:
+        async with rig(engines=1, answer_tokens=100, slices=SLICES, router=router) as r:
+            request = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 10, "stream": stream}
+            async with r.client.post(r.url("/v1/completions"), json=request) as response:
+                if stream and failing > 0:
+                    assert response.status == 200
+                    text = (await read_cut_off(response)).decode()
+                    assert '"text": " t0"' in text.replace('":"', '": "')
+                    assert "[DONE]" not in text
+                    event = json.loads(
+                        text.rstrip("\n").rsplit("\n\n", 1)[-1].removeprefix("data: ")
+                    )
+                    error = event["error"]
+                else:
+                    assert response.status == 500, await response.text()
+                    assert response.headers["x-llmsched-dropped-reason"] == "routing_failed"
+                    error = json.loads(await response.read())["error"]
+            assert error["type"] == "internal_error" and error["code"] == 500
+            assert error["message"].startswith("routing failed: ")
+            assert "ValueError: my plugin is broken" in error["message"]
+            assert len(r.engines[0].received) == failing
+            assert r.gateway.slice_tracker is not None and len(r.gateway.slice_tracker) == 0
+            assert r.metric("llmsched_gateway_rejections_total", reason="routing_failed") == 1
+            worker = r.gateway.config.engines[0].worker_id
+            slice_error = {"endpoint": worker, "kind": "slice"}
+            assert r.metric("llmsched_gateway_upstream_errors_total", **slice_error) == 0
+            cut = 1 if stream and failing > 0 else 0
+            assert r.metric("llmsched_gateway_truncated_answers_total", **_sse_error(r)) == cut
+            # Nothing stays taken: the next request is served.
+            assert (await r.complete([4, 5, 6], max_tokens=4)).status == 200
 
     run(body())

@@ -107,8 +107,8 @@ use llmsched_core::flow::EndpointMetrics;
 use llmsched_core::hashing::text::{pack_text, packed_len};
 use llmsched_core::prefix_index::{IndexConfig, PrefixIndex, WorkerKey};
 use llmsched_core::routing::{
-    metrics_text, parse_config, presets, Decision, Endpoint, EndpointPool, RequestMeta, Router,
-    RouterOptions, RoutingError, StalePolicy, Ticket,
+    metrics_text, parse_config, presets, Decision, Endpoint, EndpointPool, PluginError,
+    RequestMeta, Router, RouterOptions, RoutingError, StalePolicy, Ticket,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -455,6 +455,11 @@ struct Gateway {
     locating: Mutex<Locating>,
     /// The messages of the routing failures logged so far ([`Gateway::routing_failed`]).
     routing_failures: Mutex<HashSet<String>>,
+    /// Whether a decision may block ([`RouterConfig::may_block`]: a Python scorer or filter),
+    /// and so runs on tokio's blocking pool ([`Gateway::decide_off_runtime`]).
+    ///
+    /// [`RouterConfig::may_block`]: llmsched_core::routing::RouterConfig::may_block
+    decisions_block: bool,
 }
 
 /// Answers cut after their head (their attempt counted as a success then), reported by their
@@ -828,6 +833,7 @@ fn build(
         )),
         locating: Mutex::new(Locating::default()),
         routing_failures: Mutex::new(HashSet::new()),
+        decisions_block: source.router().config().may_block(),
         source,
         config,
     };
@@ -1709,6 +1715,32 @@ impl Gateway {
         }
     }
 
+    /// [`Gateway::decide`] where it cannot stall the runtime: a router with a plugin that may
+    /// block (a Python scorer or filter, which takes the GIL and has no timeout) decides on
+    /// tokio's blocking pool, so that a slow one delays its own request only, not every
+    /// connection of the runtime's threads (`native_threads`) and `/health`; any other
+    /// decides in place (no copy, no thread hop).
+    async fn decide_off_runtime(
+        self: &Arc<Self>,
+        tokens: &[u32],
+        ids: usize,
+        meta: &RequestMeta,
+        now: f64,
+    ) -> Result<Decision, RoutingError> {
+        if !self.decisions_block {
+            return self.decide(tokens, ids, meta, now);
+        }
+        let (gateway, tokens, meta) = (self.clone(), tokens.to_vec(), meta.clone());
+        let decided =
+            tokio::task::spawn_blocking(move || gateway.decide(&tokens, ids, &meta, now)).await;
+        decided.unwrap_or_else(|err| {
+            Err(RoutingError::Plugin(PluginError {
+                plugin: "router".into(),
+                source: format!("the decision did not finish: {err}").into(),
+            }))
+        })
+    }
+
     /// The answer to a decision a router plugin failed (a Python scorer or filter raised, or
     /// returned what it must not): a 500 that says why, counted in
     /// `rejections_total{reason="routing_failed"}`, the error logged on stderr once per
@@ -2587,7 +2619,7 @@ impl Gateway {
         }
         let router = self.router();
         let before = monotonic();
-        let decided = self.decide(&tokens, ids, &meta, before);
+        let decided = self.decide_off_runtime(&tokens, ids, &meta, before).await;
         self.counters.histograms.decision.observe(monotonic() - before);
         self.check_ids(kind, &tokens, &meta, before);
         let decision = match decided {

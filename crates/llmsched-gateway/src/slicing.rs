@@ -154,6 +154,10 @@ pub(crate) struct SlicedRequest {
     /// as an unsliced request gets it (a prompt past the context, a field the engine does not
     /// take), rather than the gateway's 502.
     refused: Option<EngineRefusal>,
+    /// The gateway's answer to a slice's decision a router plugin failed (a Python scorer or
+    /// filter raised): what an unsliced request gets (a 500 `routing failed: ...`), not an
+    /// engine's failure.
+    routing: Option<Refusal>,
 }
 
 /// An engine's refusal as it answered it: status, content type and (the first 64 KiB of) body.
@@ -192,6 +196,7 @@ impl SlicedRequest {
             endpoint: None,
             started: false,
             refused: None,
+            routing: None,
         }
     }
 
@@ -229,6 +234,9 @@ enum Out {
     Data(Bytes),
     /// The request failed before anything was passed on (a 502 instead of a stream).
     Failed(String),
+    /// A slice's decision failed (a router plugin's error) before anything was passed on:
+    /// the gateway's answer instead of a stream.
+    RoutingFailed(Refusal),
     /// The engine refused the request's first slice: its answer instead of a stream.
     Refused(EngineRefusal),
     /// The request's deadline passed before anything was passed on (a 504 instead).
@@ -300,7 +308,13 @@ impl SliceStream {
         match self.rx.poll_recv(cx) {
             Poll::Pending => Poll::Pending,
             Poll::Ready(Some(Out::Data(bytes))) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
-            Poll::Ready(Some(Out::Abort | Out::Failed(_) | Out::Refused(_) | Out::Deadline)) => {
+            Poll::Ready(Some(
+                Out::Abort
+                | Out::Failed(_)
+                | Out::RoutingFailed(_)
+                | Out::Refused(_)
+                | Out::Deadline,
+            )) => {
                 self.breaking = Some(false);
                 self.poll_frame(cx)
             }
@@ -329,6 +343,18 @@ impl Drop for SliceStream {
             }
         }
     }
+}
+
+/// The error event ending an SSE answer the gateway itself cut (`refusal`, as a request not
+/// yet answered would have been told it).
+fn error_event(refusal: &Refusal) -> Bytes {
+    let error = json!({"error": {
+        "message": refusal.message,
+        "type": refusal.kind,
+        "param": refusal.param,
+        "code": refusal.status.as_u16(),
+    }});
+    sse(&[error])
 }
 
 fn sse(chunks: &[Value]) -> Bytes {
@@ -360,10 +386,11 @@ impl Gateway {
                     self.counters.requests.inc(&[route, "200"]);
                     json_answer(StatusCode::OK, &whole)
                 }
-                Err(failed) => match run.refused.take() {
-                    Some(refused) => self.engine_refusal(route, refused),
-                    None if run.timed_out() => self.refuse(route, deadline_refusal()),
-                    None => self.slice_refusal(route, run.endpoint.as_deref(), failed),
+                Err(failed) => match (run.refused.take(), run.routing.take()) {
+                    (Some(refused), _) => self.engine_refusal(route, refused),
+                    (None, Some(routing)) => self.refuse(route, routing),
+                    (None, None) if run.timed_out() => self.refuse(route, deadline_refusal()),
+                    (None, None) => self.slice_refusal(route, run.endpoint.as_deref(), failed),
                 },
             };
         }
@@ -385,6 +412,11 @@ impl Gateway {
                     Some(refused) => {
                         let _ = tx.send(Out::Refused(refused)).await;
                     }
+                    None if run.routing.is_some() => {
+                        if let Some(routing) = run.routing.take() {
+                            let _ = tx.send(Out::RoutingFailed(routing)).await;
+                        }
+                    }
                     None if run.timed_out() => {
                         let _ = tx.send(Out::Deadline).await;
                     }
@@ -396,20 +428,26 @@ impl Gateway {
                 },
                 Err(SliceFailed(_)) => {
                     let endpoint = run.endpoint.as_deref().unwrap_or("none");
-                    // The request's own deadline (`timeouts.total_s`) is no engine's failure:
-                    // the client is told so, and it counts as the request's timeout.
-                    let timed_out = run.timed_out();
-                    if timed_out {
+                    // A failed decision (a router plugin's error) and the request's own
+                    // deadline (`timeouts.total_s`) are no engine's failure: the client is told
+                    // which, and it counts as the request's rejection of that reason.
+                    let routing = run.routing.take();
+                    let timed_out = routing.is_none() && run.timed_out();
+                    let event = if let Some(routing) = &routing {
+                        gateway.counters.rejections.inc(&[routing.reason.unwrap_or(routing.kind)]);
+                        error_event(routing)
+                    } else if timed_out {
                         gateway.counters.rejections.inc(&["timeout"]);
+                        Bytes::from_static(DEADLINE_EVENT.as_bytes())
                     } else {
                         gateway.counters.upstream_errors.inc(&[endpoint, "slice"]);
-                    }
+                        Bytes::from_static(CUT_EVENT.as_bytes())
+                    };
                     gateway.counters.truncated.inc(&[endpoint, "sse_error"]);
                     gateway.counters.requests.inc(&[run.route, "aborted"]);
                     // Part of the stream went out: the client must not take it for a whole
                     // answer.
-                    let event = if timed_out { DEADLINE_EVENT } else { CUT_EVENT };
-                    let _ = tx.send(Out::Data(Bytes::from_static(event.as_bytes()))).await;
+                    let _ = tx.send(Out::Data(event)).await;
                     let _ = tx.send(Out::Abort).await;
                 }
             }
@@ -430,6 +468,7 @@ impl Gateway {
             }
             Some(Out::Refused(refused)) => self.engine_refusal(route, refused),
             Some(Out::Deadline) => self.refuse(route, deadline_refusal()),
+            Some(Out::RoutingFailed(routing)) => self.refuse(route, routing),
             Some(Out::Failed(message)) => self.refuse(
                 route,
                 Refusal::new(502, "upstream_error", format!("a slice failed: {message}")),
@@ -484,7 +523,7 @@ impl Gateway {
                 .map_err(|e| SliceFailed(format!("the continuation cannot be routed: {e}")))?;
             let router = self.router();
             let before = monotonic();
-            let decided = self.decide(&tokens, tokens.len(), &run.meta, before);
+            let decided = self.decide_off_runtime(&tokens, tokens.len(), &run.meta, before).await;
             self.counters.histograms.decision.observe(monotonic() - before);
             // Each call a pick, checked as an unsliced request's (and as the Python plane's
             // `Router.pick` checks each slice's).
@@ -493,6 +532,12 @@ impl Gateway {
                 Ok(decision) => decision,
                 Err(RoutingError::NoEndpoint { .. }) => {
                     return Err(SliceFailed("no engine can serve the continuation".into()))
+                }
+                Err(err @ RoutingError::Plugin(_)) => {
+                    let refusal = self.routing_failed(&err);
+                    let failed = SliceFailed(refusal.message.clone());
+                    run.routing = Some(refusal);
+                    return Err(failed);
                 }
                 Err(err) => return Err(err.into()),
             };

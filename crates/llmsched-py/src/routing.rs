@@ -378,6 +378,10 @@ impl Scorer for PyCallable {
     fn reads_metrics(&self) -> bool {
         self.reads_metrics
     }
+
+    fn may_block(&self) -> bool {
+        true
+    }
 }
 
 impl Filter for PyCallable {
@@ -390,6 +394,10 @@ impl Filter for PyCallable {
     ) -> PluginResult {
         keep.copy_from_slice(&self.call::<bool>(ctx, cands, "bool")?);
         Ok(())
+    }
+
+    fn may_block(&self) -> bool {
+        true
     }
 
     fn on_empty(&self) -> OnEmpty {
@@ -406,7 +414,8 @@ const PY_PLUGIN_PARAMS: &[ParamDoc] = &[
     ParamDoc::new(
         "function",
         ParamKind::Callable,
-        "`fn(request, endpoints)`, called once per decision with the GIL held",
+        "`fn(request, endpoints)`, called once per decision with the GIL held: the callable \
+         itself in a dict config, its import path `\"module:function\"` in a YAML or JSON one",
     )
     .required(),
     ParamDoc::boolean("failOpen", "a filter that would keep nothing keeps everything instead"),

@@ -1895,6 +1895,7 @@ class Gateway:
         mid_event: bool = False,
         responses: bool = False,
         timed_out: bool = False,
+        refusal: Refusal | None = None,
     ) -> None:
         """Ends a client response whose upstream answer broke off, so that no client takes it
         for complete: an SSE stream gets an error event and is closed without its final chunk
@@ -1904,10 +1905,14 @@ class Gateway:
         whose events are named (an ``error`` event). ``timed_out``: the request's own deadline
         (``timeouts.total_s``) ended it, not the engine: the event says so (type ``timeout``,
         code 504, the 504 a request gets when its deadline passes before its answer's head).
-        Package-internal."""
+        ``refusal``: the gateway itself ended it (a sliced request whose continuation's
+        decision failed): the event is what a request not yet answered is told (type, message
+        and code of the refusal). Package-internal."""
         protocol = request.protocol
         if sse:
-            if timed_out:
+            if refusal is not None:
+                message, kind, code = self._redacted(refusal.message), refusal.kind, refusal.status
+            elif timed_out:
                 message, kind, code = _DEADLINE_MESSAGE, "timeout", 504
             else:
                 message, kind, code = "the engine's answer was cut off", "upstream_error", 502

@@ -50,15 +50,28 @@ __all__ = ["SliceFailed", "SlicedRequest", "make_assembler"]
 # At most this many queued requests are described to the tracker at a boundary.
 _WAITING_SAMPLE = 16
 
+# The rejection reason of a slice whose decision a router plugin failed (the refusal's
+# x-llmsched-dropped-reason).
+_ROUTING_FAILED = "routing_failed"
+
 
 class SliceFailed(Exception):
     """An engine call of a sliced request failed (status or connection). ``answer``: the
     engine's own refusal of the request's first slice (status, body, content type), which the
-    client gets as an unsliced request would."""
+    client gets as an unsliced request would. ``routing``: the gateway's answer to a slice's
+    decision a router plugin failed (a 500 ``routing failed: ...``, as an unsliced request
+    gets), no engine's failure."""
 
-    def __init__(self, message: str, answer: tuple[int, bytes, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        answer: tuple[int, bytes, str] | None = None,
+        *,
+        routing: Refusal | None = None,
+    ) -> None:
         super().__init__(message)
         self.answer = answer
+        self.routing = routing
 
 
 # The most of an engine's refusal that is passed on (vLLM's error bodies are a few hundred
@@ -180,24 +193,32 @@ class SlicedRequest:
                 status, data, kind = failed.answer
                 self.gateway.metrics.requests.labels(self.route, str(status)).inc()
                 return web.Response(status=status, body=data, headers={"Content-Type": kind})
-            # The request's own deadline (timeouts.total_s) is no engine's failure: the client
-            # is told so (a 504, or its error event), counted as the request's timeout.
-            timed_out = self.deadline is not None and time.monotonic() >= self.deadline
+            # A failed decision (a router plugin's error) and the request's own deadline
+            # (timeouts.total_s) are no engine's failure: the client is told which (the
+            # refusal, or its error event), counted as the request's rejection of that reason.
+            routing = failed.routing
+            timed_out = (
+                routing is None and self.deadline is not None and time.monotonic() >= self.deadline
+            )
             endpoint = self.endpoints[-1] if self.endpoints else "none"
             if started is None:
+                if routing is not None:
+                    return self.gateway.refuse(self.route, routing)
                 if timed_out:
                     return self.gateway.refuse(self.route, _deadline_refusal())
                 self.gateway.metrics.upstream_errors.labels(endpoint, "slice").inc()
                 return self.gateway.refuse(
                     self.route, _upstream_refusal(f"a slice failed: {failed}")
                 )
-            if timed_out:
+            if routing is not None:
+                self.gateway.metrics.rejections.labels(_ROUTING_FAILED).inc()
+            elif timed_out:
                 self.gateway.metrics.rejections.labels("timeout").inc()
             else:
                 self.gateway.metrics.upstream_errors.labels(endpoint, "slice").inc()
             # Part of the stream went out: the client must not take it for a whole answer.
             await self.gateway.abort_response(
-                request, started, endpoint, sse=True, timed_out=timed_out
+                request, started, endpoint, sse=True, timed_out=timed_out, refusal=routing
             )
             self.gateway.metrics.requests.labels(self.route, "aborted").inc()
             return started
@@ -206,13 +227,14 @@ class SlicedRequest:
 
     def _place(self, body: Mapping[str, Any]) -> Placement | None:
         """The placement of the slice ``body`` (None: no engine can serve it); a failed
-        decision (a router plugin's error) fails the slice, as on the native plane."""
+        decision (a router plugin's error) fails the slice with the gateway's refusal of it,
+        as on the native plane."""
         from llmsched.gateway.app import Refusal  # app imports this module
 
         try:
             return self.gateway.place(self._scheduled(body))
         except Refusal as refusal:
-            raise SliceFailed(refusal.message) from None
+            raise SliceFailed(refusal.message, routing=refusal) from None
 
     def uncharged_tokens(self) -> int:
         """Output tokens not yet charged to the tenant in flow control: the slice in progress

@@ -162,6 +162,17 @@ impl RouterConfig {
         })
     }
 
+    /// Whether a decision may take long or wait on a lock: some profile's filter or scorer
+    /// [`may_block`](super::plugin::Filter::may_block) (a Python callable). A server decides
+    /// for such a router off the threads that serve its connections.
+    pub fn may_block(&self) -> bool {
+        self.scorers.iter().any(|s| s.may_block())
+            || self.profiles.iter().any(|p| {
+                p.filters.iter().any(|f| f.filter.may_block())
+                    || p.scorers.iter().any(|s| s.scorer.may_block())
+            })
+    }
+
     /// Whether a decision reads what the prefix index says of the prompt: a P/D handler (its
     /// decider weighs the uncached tokens) or any filter, scorer or picker of a profile
     /// ([`Scorer::reads_prefix_match`]). When none does (round-robin, random, least-load), the

@@ -151,6 +151,14 @@ pub trait Filter: Send + Sync {
     fn reads_session(&self) -> bool {
         false
     }
+
+    /// Whether a call may take long or wait on a lock (a Python callable: it takes the GIL
+    /// and runs for as long as it runs): a server decides with such a plugin off the threads
+    /// that serve its connections
+    /// ([`RouterConfig::may_block`](super::config::RouterConfig::may_block)).
+    fn may_block(&self) -> bool {
+        false
+    }
 }
 
 /// Scores candidates; each score should be in [0, 1] (the framework clamps).
@@ -179,6 +187,11 @@ pub trait Scorer: Send + Sync {
 
     /// Whether it reads the session's endpoint (as [`Filter::reads_session`]).
     fn reads_session(&self) -> bool {
+        false
+    }
+
+    /// Whether a call may take long or wait on a lock (as [`Filter::may_block`]).
+    fn may_block(&self) -> bool {
         false
     }
 
