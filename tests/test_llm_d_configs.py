@@ -972,10 +972,13 @@ def test_a_detector_staleness_no_longer_than_the_scrape_interval_is_noted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Now that the detector's ``metricsStalenessThreshold`` decides which endpoints it drops,
-    one no longer than the gateway's scrape interval (llm-d's 200 ms against the default
-    0.2 s) would drop every engine for part of every interval: a configuration note says so
-    when the gateway loads it (logged, in ``notes`` and the scheduler's warnings, counted in
-    ``llmsched_gateway_config_warnings`` on either plane)."""
+    one no longer than the gateway's scrape interval would drop every engine for part of
+    every interval. Without ``scrape.interval_s`` the interval becomes a quarter of the
+    shortest threshold (llm-d's 200 ms: 0.05 s, llm-d's own scrape; not under 0.01 s), the
+    detector plugin's or ``saturationDetector``'s; a threshold still no longer than the
+    interval (one given, or the 0.01 s floor) is a configuration note (logged, in ``notes``
+    and the scheduler's warnings, counted in ``llmsched_gateway_config_warnings`` on either
+    plane)."""
     from llmsched.gateway import Gateway
     from llmsched.gateway import load_config as load_gateway_config
 
@@ -992,22 +995,46 @@ def test_a_detector_staleness_no_longer_than_the_scrape_interval_is_noted(
         engines = [{"host": "127.0.0.1", "port": 8001}]
         return {"engines": engines, "models": ["m"], "router": router, **extra}
 
+    def noted(config: dict[str, Any]) -> list[str]:
+        return [n for n in load_gateway_config(config).notes if "StalenessThreshold" in n]
+
+    given = gateway("200ms", scrape={"interval_s": 0.2})
     with caplog.at_level(logging.WARNING, logger="llmsched"):
-        notes = load_gateway_config(gateway("200ms")).notes
-    said = [n for n in notes if "metricsStalenessThreshold" in n]
+        said = noted(given)
     assert len(said) == 1 and said[0].startswith(
         "router config plugins[0].parameters.metricsStalenessThreshold: 200ms is no longer "
         "than the scrape interval (scrape.interval_s 0.2 s)"
     )
+    assert said[0].endswith("or leave scrape.interval_s out (a quarter of it is used)")
     assert any(said[0] in r.getMessage() for r in caplog.records)
-    assert said[0] in Gateway(gateway("200ms")).scheduler.warnings
+    assert said[0] in Gateway(given).scheduler.warnings
+    # Fitted: the interval follows the threshold when the config does not set it.
+    for threshold, interval in (("200ms", 0.05), ("100ms", 0.025), ("20ms", 0.01), ("1s", 0.2)):
+        assert load_gateway_config(gateway(threshold)).scrape.interval_s == interval, threshold
+        assert not noted(gateway(threshold)), threshold
+    floor = noted(gateway("5ms"))
+    assert len(floor) == 1 and "(scrape.interval_s 0.01 s)" in floor[0]
+    assert "leave scrape.interval_s out" not in floor[0]
     for quiet in (
-        gateway("1s"),
         gateway("200ms", scrape={"interval_s": 0.05}),
         gateway("50ms", scrape={"enabled": False}),
     ):
-        notes = load_gateway_config(quiet).notes
-        assert not [n for n in notes if "metricsStalenessThreshold" in n], quiet
+        assert not noted(quiet), quiet
+    assert load_gateway_config(gateway("50ms", scrape={"enabled": False})).scrape.interval_s == 0.2
+    # The flat saturationDetector threshold (flow control's staleness) counts the same way.
+    flat = {
+        "engines": [{"host": "127.0.0.1", "port": 8001}],
+        "models": ["m"],
+        "router": {
+            "featureGates": ["flowControl"],
+            "saturationDetector": {"metricsStalenessThreshold": "100ms"},
+            "plugins": [{"type": "queue-scorer"}],
+        },
+    }
+    assert load_gateway_config(flat).scrape.interval_s == 0.025 and not noted(flat)
+    said = noted({**flat, "scrape": {"interval_s": 0.1}})
+    assert len(said) == 1
+    assert said[0].startswith("router config saturationDetector.metricsStalenessThreshold: 100ms")
 
 
 @pytest.mark.parametrize(

@@ -231,7 +231,10 @@ class HealthConfig:
 
 @dataclass(frozen=True)
 class ScrapeConfig:
-    """How often and how patiently engines' ``/metrics`` are scraped."""
+    """How often and how patiently engines' ``/metrics`` are scraped. Without ``interval_s``,
+    a router config's metric staleness threshold (a ``utilization-detector``'s or
+    ``saturationDetector``'s ``metricsStalenessThreshold``) no longer than 0.2 s sets it to a
+    quarter of that threshold (llm-d's 200 ms: 0.05 s, as llm-d scrapes), not under 0.01 s."""
 
     enabled: bool = True
     interval_s: float = 0.2
@@ -582,8 +585,8 @@ def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> GatewayCo
     notes: list[str] = []
     wired = _wire_router(router, raw, block_size, flow, engines, models, tokenizer, pd, notes)
     block_size, flow, engines, tokenizer, pd = wired
-    scrape = _scrape(_section(raw, "scrape"))
-    _note_short_staleness(router, scrape, notes)
+    scrape_raw = _section(raw, "scrape")
+    scrape = _fit_scrape(router, _scrape(scrape_raw), "interval_s" in scrape_raw, notes)
     for key in ("chat_template", "default_chat_template_kwargs"):
         if raw.get(key) is not None and tokenizer is None:
             raise ConfigError(f"{key}: needs a tokenizer (it changes the chats' token ids)")
@@ -928,41 +931,82 @@ def _cached_tokenizer(model: str) -> Path | None:
     return max(found, key=lambda d: (d / "tokenizer.json").stat().st_mtime)
 
 
-def _note_short_staleness(
-    router: str | Mapping[str, Any], scrape: ScrapeConfig, notes: list[str]
-) -> None:
-    """Notes a ``utilization-detector`` whose ``metricsStalenessThreshold`` is no longer than
-    the scrape interval: between two scrapes every engine's metrics grow older than it, so
-    the filter drops them all (and, failing open, keeps them all) and flow control counts
-    them saturated, for part of every interval. llm-d scrapes every 50 ms under its 200 ms
-    default; here the interval is ``scrape.interval_s``."""
+def _fit_scrape(
+    router: str | Mapping[str, Any], scrape: ScrapeConfig, interval_given: bool, notes: list[str]
+) -> ScrapeConfig:
+    """The scrape section fitted to the router config's metric staleness thresholds (a
+    ``utilization-detector``'s ``metricsStalenessThreshold``, or ``saturationDetector``'s):
+    a threshold no longer than the scrape interval makes every engine's metrics older than it
+    between two scrapes, so for part of every interval the detector's filter drops them all
+    (and, failing open, keeps them all) and flow control counts them saturated. llm-d scrapes
+    every 50 ms under its 200 ms default; so, when ``scrape.interval_s`` is not given, the
+    interval becomes a quarter of the shortest such threshold (200 ms: 0.05 s, as llm-d's; not
+    under 0.01 s); a threshold still no longer than the interval is noted."""
+    if not scrape.enabled:
+        return scrape
+    thresholds = _staleness_thresholds(router)
+    if not thresholds:
+        return scrape
+    shortest = min(seconds for _, _, seconds in thresholds)
+    if not interval_given and shortest <= scrape.interval_s:
+        interval = max(shortest / 4, _SHORTEST_FITTED_SCRAPE_S)
+        scrape = ScrapeConfig(
+            enabled=scrape.enabled, interval_s=interval, timeout_s=scrape.timeout_s
+        )
+    for key, text, seconds in thresholds:
+        if seconds <= scrape.interval_s:
+            _note(
+                notes,
+                f"router config {key}: {text} is no longer than the scrape interval "
+                f"(scrape.interval_s {scrape.interval_s:g} s): between two scrapes the engines' "
+                "metrics are older than it, so for part of every interval the detector drops "
+                "them (keeping all, as it fails open) and flow control counts them saturated; "
+                "set it above the interval (several intervals, as the default staleness is) "
+                "or leave it out"
+                + (
+                    ", or leave scrape.interval_s out (a quarter of it is used)"
+                    if interval_given
+                    else ""
+                ),
+            )
+    return scrape
+
+
+# The shortest scrape interval _fit_scrape sets from a staleness threshold (a shorter
+# threshold is noted instead).
+_SHORTEST_FITTED_SCRAPE_S = 0.01
+
+
+def _staleness_thresholds(router: str | Mapping[str, Any]) -> list[tuple[str, str, float]]:
+    """The router config's metric staleness thresholds: (key, text as written, seconds) of
+    each ``utilization-detector``'s ``metricsStalenessThreshold`` and of
+    ``saturationDetector.metricsStalenessThreshold``, read as the core reads them (the config
+    has loaded: they are valid)."""
     from llmsched.routing import config_info, load_config
 
-    if not scrape.enabled:
-        return
-    plugins = load_config(router).get("plugins") or []
-    for i, plugin in enumerate(plugins):
+    loaded = load_config(router)
+    found: list[tuple[str, str, float]] = []
+    written: list[tuple[str, object, dict[str, Any]]] = []
+    for i, plugin in enumerate(loaded.get("plugins") or []):
         if not isinstance(plugin, Mapping) or plugin.get("type") != "utilization-detector":
             continue
         params = plugin.get("parameters") or {}
         text = params.get("metricsStalenessThreshold") if isinstance(params, Mapping) else None
-        if text is None:
-            continue
-        # The core's reading of the duration (the config loaded: it is valid).
         alone = {"plugins": [{"type": "utilization-detector", "parameters": {
             "metricsStalenessThreshold": text}}]}  # fmt: skip
+        written.append((f"plugins[{i}].parameters.metricsStalenessThreshold", text, alone))
+    detector = loaded.get("saturationDetector")
+    if isinstance(detector, Mapping) and detector.get("metricsStalenessThreshold") is not None:
+        text = detector["metricsStalenessThreshold"]
+        written.append(("saturationDetector.metricsStalenessThreshold", text, dict(loaded)))
+    for key, text, alone in written:
+        if text is None:
+            continue
         saturation = config_info(alone)["saturation"]
         seconds = None if saturation is None else saturation["metrics_staleness_s"]
-        if seconds is not None and seconds <= scrape.interval_s:
-            _note(
-                notes,
-                f"router config plugins[{i}].parameters.metricsStalenessThreshold: {text} is no "
-                f"longer than the scrape interval (scrape.interval_s {scrape.interval_s:g} s): "
-                "between two scrapes the engines' metrics are older than it, so for part of "
-                "every interval the detector drops them (keeping all, as it fails open) and "
-                "flow control counts them saturated; set it above the interval (several "
-                "intervals, as the default staleness is) or leave it out",
-            )
+        if seconds is not None:
+            found.append((key, str(text), seconds))
+    return found
 
 
 def _note(notes: list[str], message: str) -> None:
