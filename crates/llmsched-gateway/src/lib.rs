@@ -1520,6 +1520,16 @@ impl Refusal {
         self.retry_after = Some(retry_after);
         self
     }
+
+    /// The OpenAI-shaped error object: an answer's body, or an SSE error event's data.
+    fn error_body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.status.as_u16(),
+        }})
+    }
 }
 
 const TENANT_HEADER: &str = "x-llmsched-tenant";
@@ -4421,13 +4431,7 @@ fn json_answer(status: StatusCode, body: &Value) -> Answer {
 }
 
 fn refusal(refused: &Refusal) -> Answer {
-    let body = json!({"error": {
-        "message": refused.message,
-        "type": refused.kind,
-        "param": refused.param,
-        "code": refused.status.as_u16(),
-    }});
-    let mut answer = json_answer(refused.status, &body);
+    let mut answer = json_answer(refused.status, &refused.error_body());
     if let Some(reason) = refused.reason {
         answer.headers_mut().insert(DROPPED_REASON_HEADER, HeaderValue::from_static(reason));
     }

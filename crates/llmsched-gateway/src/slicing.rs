@@ -348,13 +348,7 @@ impl Drop for SliceStream {
 /// The error event ending an SSE answer the gateway itself cut (`refusal`, as a request not
 /// yet answered would have been told it).
 fn error_event(refusal: &Refusal) -> Bytes {
-    let error = json!({"error": {
-        "message": refusal.message,
-        "type": refusal.kind,
-        "param": refusal.param,
-        "code": refusal.status.as_u16(),
-    }});
-    sse(&[error])
+    sse(&[refusal.error_body()])
 }
 
 fn sse(chunks: &[Value]) -> Bytes {
