@@ -7,8 +7,8 @@ the threads really run at once. Each test joins its threads with a timeout, so a
 rather than hangs the suite.
 
 The claims and the tests behind them (here unless a file is named):
-- PrefixIndex shared by many threads, matches in parallel, writes serialised (README
-  "Concurrency", docs/prefix-index.md, `PrefixIndex`'s docstring): test_threads.py
+- PrefixIndex shared by many threads, matches in parallel, writes serialised
+  (docs/prefix-index.md "Concurrency", `PrefixIndex`'s docstring): test_threads.py
   (store / clear / match / pick; results outliving their index; matches during a large
   clear), test_concurrency_oracle.py (a large clear beside snapshots),
   test_index_events_removes_snapshots_and_stats_beside_matches_and_picks; "writes for the
@@ -86,9 +86,9 @@ def _run_together(targets: list[Callable[[], None]]) -> list[BaseException]:
 
 # --------------------------------------------------------------------------------------------
 # PrefixIndex: "One index may be shared by many threads: matches run in parallel, writes are
-# serialised" (prefix_index.py, README "Concurrency"). test_threads.py covers store / clear /
-# match / pick; this covers engine events, remove, dumps / loads and stats beside matches and
-# picks.
+# serialised" (prefix_index.py, docs/prefix-index.md "Concurrency"). test_threads.py covers
+# store / clear / match / pick; this covers engine events, remove, dumps / loads and stats
+# beside matches and picks.
 # --------------------------------------------------------------------------------------------
 
 

@@ -548,7 +548,7 @@ def test_slice_boundaries_weigh_requests_dispatched_during_the_step() -> None:
 
 @pytest.mark.parametrize("variant", [1, 2])
 def test_slices_scenario_on_both_engines(variant: int) -> None:
-    """The README's slices scenario (scaled down): fixed and mlfq slices, equal."""
+    """docs/simulator.md's slices scenario (scaled down): fixed and mlfq slices, equal."""
     cfg = ScenarioConfig.from_dict(
         {"base": "slices", "workload": {"kind": "long_short", "num_requests": 500}}
     )
@@ -561,7 +561,7 @@ def test_slices_scenario_on_both_engines(variant: int) -> None:
 
 
 def test_pd_scenario_on_both_engines() -> None:
-    """The README's P/D scenario (scaled down): 2P+6D on both engines, equal, and split."""
+    """docs/simulator.md's P/D scenario (scaled down): 2P+6D on both engines, equal, and split."""
     cfg = ScenarioConfig.from_dict(
         {"base": "pd", "workload": {"kind": "long_short", "num_requests": 600}}
     )
@@ -575,7 +575,7 @@ def test_pd_scenario_on_both_engines() -> None:
 
 
 def test_priority_scenario_with_flow_control_on_both_engines() -> None:
-    """The README's priority scenario (scaled down): flow control on both engines, equal."""
+    """docs/simulator.md's priority scenario (scaled down): flow control on both engines, equal."""
     cfg = ScenarioConfig.from_dict(
         {
             "base": "priority",

@@ -1,7 +1,7 @@
 """The reference gateway (``llmsched serve``): an OpenAI-compatible HTTP front that
 tokenizes, admits through flow control, routes with the prefix-aware router and proxies to
 vLLM / SGLang engines with streaming passthrough. See :class:`Gateway` and
-:func:`load_config`; the README's "Gateway" section has a runnable recipe.
+:func:`load_config`; docs/gateway.md has the annotated config and a runnable recipe.
 Needs the ``gateway`` extra (``pip install 'llmsched[gateway]'``).
 """
 
