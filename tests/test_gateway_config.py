@@ -471,17 +471,22 @@ def test_api_keys_a_client_cannot_present_are_refused(key: str) -> None:
     assert load_config(base(auth={"api_keys": {"inner space key": {"tenant": "t"}}})).auth.enabled
 
 
-def test_the_readme_gateway_config_loads_as_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("page", "after"),
+    [("README.md", "\n## Quick start\n"), ("docs/gateway.md", "\n## Configuration\n")],
+)
+def test_the_documented_gateway_config_loads_as_written(
+    page: str, after: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """README's gateway.yaml, copied as it stands next to a ./tiny-model tokenizer, loads. It
-    named `api_keys_env: LLMSCHED_API_KEYS`, a variable nobody following the README had set,
-    so `llmsched serve --config gateway.yaml` stopped at `auth.api_keys_env: environment
-    variable LLMSCHED_API_KEYS is not set`."""
+    """The README's quick-start gateway.yaml and the gateway page's annotated one, each copied as
+    it stands next to a ./tiny-model tokenizer, load. The README's named `api_keys_env:
+    LLMSCHED_API_KEYS`, a variable nobody following the README had set, so `llmsched serve
+    --config gateway.yaml` stopped at `auth.api_keys_env: environment variable
+    LLMSCHED_API_KEYS is not set`."""
     from llmsched.testing.openai_engine import write_tokenizer
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("\n## Gateway\n", 1)[1]
+    text = (Path(__file__).resolve().parent.parent / page).read_text()
+    section = text.split(after, 1)[1]
     example = section.split("```yaml\n", 1)[1].split("```", 1)[0]
     monkeypatch.delenv("LLMSCHED_API_KEYS", raising=False)
     monkeypatch.chdir(tmp_path)
