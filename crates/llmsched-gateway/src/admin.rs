@@ -29,7 +29,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::{json_answer, Answer, EngineEntry, Gateway};
+use crate::answer::{json_answer, Answer};
+use crate::config::upstream;
+use crate::{EngineEntry, Gateway};
 
 /// The admin API's settings (`admin` of the gateway config).
 #[derive(Clone, Debug, Deserialize)]
@@ -240,7 +242,7 @@ impl Gateway {
             .collect();
         let id = |e: &EngineEntry| match e {
             EngineEntry::Url(url) => {
-                crate::upstream(e, &self.config).map(|u| u.id).unwrap_or_else(|_| url.clone())
+                upstream(e, &self.config).map(|u| u.id).unwrap_or_else(|_| url.clone())
             }
             EngineEntry::Named { id, .. } => id.clone(),
         };
@@ -249,7 +251,7 @@ impl Gateway {
                 Ok(entry) => entry,
                 Err(e) => return error(400, format!("not an engine entry: {e}")),
             };
-            if let Err(problem) = crate::upstream(&entry, &self.config) {
+            if let Err(problem) = upstream(&entry, &self.config) {
                 return error(400, format!("not an engine entry: {problem}"));
             }
             if current.iter().any(|e| id(e) == id(&entry)) {

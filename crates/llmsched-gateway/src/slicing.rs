@@ -36,12 +36,14 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use crate::admission::Guards;
+use crate::answer::{json_answer, own, sliced_answer, Answer};
 use crate::payload::Payload;
+use crate::prompt::{prompt_tokens, IdKind};
+use crate::refusal::{deadline_refusal, Refusal, CUT_EVENT, DEADLINE_EVENT};
+use crate::relay::{wake_at, Cut};
 use crate::truncation::Truncation;
-use crate::{
-    deadline_refusal, json_answer, monotonic, prompt_tokens, wake_at, Answer, Cut, Gateway, Guards,
-    IdKind, Refusal, Upstream, CUT_EVENT, DEADLINE_EVENT,
-};
+use crate::{monotonic, Gateway, Upstream};
 
 /// At most this many queued requests are described to the tracker at a boundary.
 pub const WAITING_SAMPLE: usize = 16;
@@ -458,7 +460,7 @@ impl Gateway {
                     route,
                     ended: false,
                 };
-                crate::sliced_answer(stream)
+                sliced_answer(stream)
             }
             Some(Out::Refused(refused)) => self.engine_refusal(route, refused),
             Some(Out::Deadline) => self.refuse(route, deadline_refusal()),
@@ -477,7 +479,7 @@ impl Gateway {
     /// The engine's refusal of a request's first slice, answered as it gave it.
     fn engine_refusal(&self, route: &'static str, (status, kind, body): EngineRefusal) -> Answer {
         self.counters.requests.inc(&[route, status.as_str()]);
-        let mut answer = crate::own(status, "application/json", body);
+        let mut answer = own(status, "application/json", body);
         if let Some(kind) = kind {
             answer.headers_mut().insert(CONTENT_TYPE, kind);
         }
