@@ -35,7 +35,8 @@ impl<T> BufferPool<T> {
         BufferPool { buffers: RefCell::new(Vec::new()), max_buffers, max_capacity }
     }
 
-    /// An empty buffer, the most recently returned one when the pool has any.
+    /// An empty buffer, the most recently returned one when the pool has any (as it was given
+    /// back by [`BufferPool::give_filled`], else empty).
     pub fn take(&self) -> Vec<T> {
         // Busy only if a caller takes from inside another take's borrow; a fresh buffer is
         // correct then too.
@@ -45,10 +46,17 @@ impl<T> BufferPool<T> {
     /// Keeps `buffer`'s allocation (cleared) unless the pool is full or the buffer is empty or
     /// larger than the pool keeps; otherwise it is freed.
     pub fn give(&self, mut buffer: Vec<T>) {
+        buffer.clear();
+        self.give_filled(buffer);
+    }
+
+    /// [`BufferPool::give`] keeping `buffer`'s items: [`BufferPool::take`] then hands it back
+    /// as it was, for a taker that overwrites every item it uses (resizing a filled buffer
+    /// writes only what it adds, where a cleared one is written through first).
+    pub fn give_filled(&self, buffer: Vec<T>) {
         if buffer.capacity() == 0 || buffer.capacity() > self.max_capacity {
             return;
         }
-        buffer.clear();
         if let Ok(mut buffers) = self.buffers.try_borrow_mut() {
             if buffers.len() < self.max_buffers {
                 buffers.push(buffer);
@@ -66,11 +74,24 @@ pub fn take<T: 'static>(pool: &'static LocalKey<BufferPool<T>>) -> Vec<T> {
 /// [`BufferPool::give`] on this thread's `pool`; `buffer` is freed once the thread's pools are
 /// being destroyed.
 pub fn give<T: 'static>(pool: &'static LocalKey<BufferPool<T>>, buffer: Vec<T>) {
+    give_with(pool, buffer, BufferPool::give);
+}
+
+/// [`BufferPool::give_filled`] on this thread's `pool` (see [`give`]).
+pub fn give_filled<T: 'static>(pool: &'static LocalKey<BufferPool<T>>, buffer: Vec<T>) {
+    give_with(pool, buffer, BufferPool::give_filled);
+}
+
+fn give_with<T: 'static>(
+    pool: &'static LocalKey<BufferPool<T>>,
+    buffer: Vec<T>,
+    how: fn(&BufferPool<T>, Vec<T>),
+) {
     // `try_with` hands the buffer back inside the closure only when the pool exists.
     let mut buffer = Some(buffer);
     let _ = pool.try_with(|pool| {
         if let Some(buffer) = buffer.take() {
-            pool.give(buffer);
+            how(pool, buffer);
         }
     });
 }
@@ -106,6 +127,28 @@ mod tests {
             give(&SMALL, Vec::with_capacity(10));
         }
         assert_eq!(SMALL.with(|pool| pool.buffers.borrow().len()), 2);
+    }
+
+    thread_local! {
+        static FILLED: BufferPool<u32> = const { BufferPool::new(2, 100) };
+    }
+
+    #[test]
+    fn a_filled_buffer_comes_back_as_it_was_given() {
+        let mut a = take(&FILLED);
+        a.extend([7u32, 8, 9]);
+        let a_ptr = a.as_ptr();
+        give_filled(&FILLED, a);
+        let mut b = take(&FILLED);
+        assert_eq!(b, [7, 8, 9], "items kept");
+        assert_eq!(b.as_ptr(), a_ptr);
+        // Resized, it keeps what it had and adds the fill value only past its length.
+        b.resize(5, 0);
+        assert_eq!(b, [7, 8, 9, 0, 0]);
+        give(&FILLED, b);
+        assert!(take(&FILLED).is_empty(), "`give` still clears");
+        give_filled(&FILLED, Vec::with_capacity(101));
+        assert_eq!(FILLED.with(|pool| pool.buffers.borrow().len()), 0, "too large: freed");
     }
 
     #[test]

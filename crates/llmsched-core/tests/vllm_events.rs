@@ -1086,7 +1086,14 @@ fn token_ids_out_of_range_in_the_middle_of_a_fast_run_are_rejected() {
 fn recycled_token_buffers_and_reused_chain_buffers_leave_nothing_behind() {
     // Long, short, longer and failing arrays on one thread, each batch handed back after use
     // (as the prefix index does): every decode gives exactly its own ids and block hashes, none
-    // left over from an earlier, longer array in the same buffer.
+    // left over from an earlier, longer array in the same buffer (a recycled token buffer keeps
+    // its ids, for the decoder to overwrite), on each decoding path.
+    decode_recycled_runs();
+    with_avx2_decoding(decode_recycled_runs);
+    with_scalar_decoding(decode_recycled_runs);
+}
+
+fn decode_recycled_runs() {
     let lengths = [3_000usize, 40, 300, 5_000, 256, 1, 2_999, 65_000, 600];
     for round in 0..3u64 {
         for (i, &n) in lengths.iter().enumerate() {

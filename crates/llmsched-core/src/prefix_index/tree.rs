@@ -87,6 +87,16 @@ pub(crate) struct Node {
     pub dense: OnceLock<Dense>,
 }
 
+/// Where a store's run of new blocks was entered into the block table before the tree took it.
+#[derive(Debug, Clone, Copy)]
+enum Staged {
+    /// Onto the end of the start position's leaf, at the blocks' final places
+    /// ([`Tree::stage_onto`]).
+    Appended,
+    /// As the edge of a node of its own, not yet in the tree ([`Tree::stage`]).
+    Node(NodeId),
+}
+
 /// New runs longer than this are staged ([`Tree::stage`]); shorter ones (an engine event's)
 /// compare pairwise and cost a probe to check and one to record each.
 #[cfg(not(test))]
@@ -559,8 +569,11 @@ impl Tree {
         let start = self.start_pos(w, parent)?;
         let existing = self.existing_run(start, hashes);
         let new = &hashes[existing..];
-        let staged = if new.len() > STAGE_MIN {
-            Some(self.stage(new)?)
+        let staged = if existing == 0 && !new.is_empty() && self.appends_at(start, w, attrs) {
+            self.stage_onto(start.node, new)?;
+            Some(Staged::Appended)
+        } else if new.len() > STAGE_MIN {
+            Some(Staged::Node(self.stage(new)?))
         } else {
             self.check_new_hashes(new)?;
             self.blocks.reserve(&self.nodes, new.len());
@@ -632,6 +645,38 @@ impl Tree {
             Some(h) => Err(StoreRefusal::Conflict(h)),
             None => Ok(()),
         }
+    }
+
+    /// Whether a run of new blocks right after `start` goes onto the end of `start`'s edge: the
+    /// position ends a leaf that `w` alone holds with `attrs` (a worker extending its own
+    /// sequence, the usual engine event), so [`Self::add_new_run`] appends there.
+    fn appends_at(&self, start: Pos, w: WorkerId, attrs: Attrs) -> bool {
+        start.offset == self.nodes[start.node as usize].hashes.len()
+            && self.can_append(start.node, w, attrs)
+    }
+
+    /// Appends the new blocks `new` to leaf `at`'s edge and enters them into the block table at
+    /// their places there: one probe per block both finds a block already in the tree or
+    /// repeated in the run and records it (where checking first and recording after cost two,
+    /// and staging them in a node of their own then moving them, two). On a conflict the
+    /// entries made are taken out and the edge cut back: the tree is as it was, but for a
+    /// renumbering ([`Self::make_room_after`]) that moves no block.
+    fn stage_onto(&mut self, at: NodeId, new: &[u64]) -> Result<(), StoreRefusal> {
+        self.blocks.reserve(&self.nodes, new.len());
+        self.blocks.warm(&self.nodes, new);
+        let (first, recorded) = self.extend_edge(at, new);
+        for (j, &h) in new.iter().enumerate() {
+            let loc = Loc { node: at, offset: recorded + j as u32 };
+            if self.blocks.insert_absent(&self.nodes, h, loc) {
+                continue;
+            }
+            for (k, &made) in new[..j].iter().enumerate() {
+                self.blocks.remove(made, Loc { node: at, offset: recorded + k as u32 });
+            }
+            self.nodes[at as usize].hashes.truncate(first);
+            return Err(StoreRefusal::Conflict(h));
+        }
+        Ok(())
     }
 
     /// Enters a long run of new blocks into the block table as the edge of a node of its own,
@@ -722,30 +767,30 @@ impl Tree {
     }
 
     /// Appends a run of new blocks after `pos`, held by `w` alone (`staged`: already in the block
-    /// table as that node's edge, see [`Self::stage`]). Returns the position after it.
+    /// table, see [`Staged`]). Returns the position after it.
     fn add_new_run(
         &mut self,
         w: WorkerId,
         pos: Pos,
         new: &[u64],
-        staged: Option<NodeId>,
+        staged: Option<Staged>,
         attrs: Attrs,
         touched: &mut Vec<NodeId>,
     ) -> Pos {
+        let staged = match staged {
+            Some(Staged::Appended) => {
+                return Pos { node: pos.node, offset: pos.offset + new.len() };
+            }
+            Some(Staged::Node(s)) => Some(s),
+            None => None,
+        };
         let mut at = pos.node;
         if pos.offset < self.nodes[at as usize].hashes.len() {
             at = self.split(at, pos.offset).0;
             touched.push(at);
         }
         if self.can_append(at, w, attrs) {
-            self.make_room_after(at, new.len());
-            let first = self.nodes[at as usize].hashes.len();
-            let recorded = self.recorded(at, first).offset;
-            let node = &mut self.nodes[at as usize];
-            // Exactly: a leaf grows by one engine event at a time, and doubling would leave a
-            // quarter of every edge's hashes unused on average.
-            node.hashes.reserve_exact(new.len());
-            node.hashes.extend_from_slice(new);
+            let (first, recorded) = self.extend_edge(at, new);
             for (j, &h) in new.iter().enumerate() {
                 let loc = Loc { node: at, offset: recorded + j as u32 };
                 match staged {
@@ -776,6 +821,21 @@ impl Tree {
         self.nodes[at as usize].children.insert(new[0], child);
         self.add_holder(w, child, attrs);
         Pos { node: child, offset: new.len() }
+    }
+
+    /// Appends `new` to `node`'s edge (renumbering it first where needed) before their
+    /// block-table entries are made. Returns the edge's length before and the recorded offset
+    /// of the first block appended.
+    fn extend_edge(&mut self, node: NodeId, new: &[u64]) -> (usize, u32) {
+        self.make_room_after(node, new.len());
+        let first = self.nodes[node as usize].hashes.len();
+        let recorded = self.recorded(node, first).offset;
+        let n = &mut self.nodes[node as usize];
+        // Exactly: a leaf grows by one engine event at a time, and doubling would leave a
+        // quarter of every edge's hashes unused on average.
+        n.hashes.reserve_exact(new.len());
+        n.hashes.extend_from_slice(new);
+        (first, recorded)
     }
 
     /// A leaf held by `w` alone with the same attributes grows in place: no new node.

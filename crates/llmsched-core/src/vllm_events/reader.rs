@@ -953,17 +953,20 @@ thread_local! {
     static TOKEN_POOL: BufferPool<u32> = const { BufferPool::new(8, 1 << 16) };
 }
 
-/// A zeroed buffer of `count` ids, reusing one handed back on this thread when there is one.
+/// A buffer of `count` ids for the decoder to overwrite, reusing one handed back on this thread
+/// when there is one. A reused buffer keeps the ids it held: zeroing it first wrote every
+/// byte twice (its ids are all written by the decode before the buffer is read).
 fn pooled_tokens(count: usize) -> Vec<u32> {
     let mut tokens = buffer_pool::take(&TOKEN_POOL);
+    tokens.truncate(count);
     tokens.resize(count, 0);
     tokens
 }
 
-/// Keeps `tokens`' allocation for a later token array decoded on this thread (see
-/// [`crate::vllm_events::recycle`]).
+/// Keeps `tokens`' allocation, ids and all, for a later token array decoded on this thread
+/// (see [`crate::vllm_events::recycle`] and [`pooled_tokens`]).
 pub fn recycle_tokens(tokens: Vec<u32>) {
-    buffer_pool::give(&TOKEN_POOL, tokens);
+    buffer_pool::give_filled(&TOKEN_POOL, tokens);
 }
 
 thread_local! {

@@ -122,6 +122,42 @@ fn a_staged_run_onto_a_leaf_held_alone_extends_it() {
     shape(&t);
 }
 
+/// A run appended straight onto a leaf its worker holds alone (short or long: every such run
+/// is entered at its final place, `stage_onto`) that conflicts, with a block elsewhere in the
+/// tree or with itself, is taken back out: the tree is as it was, and the leaf still grows by
+/// the next good run. Also where the leaf's base was raised by a split, so that the append
+/// renumbers it first (the tests' `BASE_LIMIT` is 12).
+#[test]
+fn a_run_appended_onto_a_leaf_that_conflicts_leaves_the_tree_as_it_was() {
+    let c = chains();
+    for head in [0usize, 2] {
+        let mut t = Tree::new();
+        t.store(1, &c[2], None, HELD).unwrap();
+        t.store(0, &c[0][..9], None, HELD).unwrap();
+        if head > 0 {
+            // Worker 1 takes a short head of worker 0's edge: the split leaves the longer tail
+            // in the node, its base raised.
+            t.store(1, &c[0][..head], None, HELD).unwrap();
+        }
+        let leaf = t.blocks.get(&t.nodes, c[0][8]).unwrap().node;
+        assert_eq!(t.nodes[leaf as usize].base, head as u32, "head {head}");
+        let before = shape(&t);
+        let nodes = t.nodes.len();
+        let elsewhere = [c[0][9], c[0][10], c[2][3]];
+        let repeated = [c[0][9], c[0][10], c[0][9]];
+        let longer: Vec<u64> = c[0][9..].iter().copied().chain([c[2][0]]).collect();
+        for run in [&elsewhere[..], &repeated[..], &longer[..]] {
+            assert!(t.appends_at(Pos { node: leaf, offset: 9 - head }, 0, HELD));
+            let err = t.store(0, run, Some(c[0][8]), HELD).unwrap_err();
+            assert_eq!(err, StoreRefusal::Conflict(run[run.len() - 1]), "head {head}");
+            assert_eq!((shape(&t), t.nodes.len()), (before.clone(), nodes), "head {head}");
+        }
+        assert_eq!(t.store(0, &c[0][9..], Some(c[0][8]), HELD), Ok((c[0].len() - 9) as u64));
+        assert_eq!(t.nodes[leaf as usize].hashes, c[0][head..], "grown in place");
+        shape(&t);
+    }
+}
+
 /// Every store that adds a holding (a new child, a branch inside another worker's edge, a
 /// shared prefix taken over, an extension) leaves each worker's leaf set exactly its leaves at
 /// their current stamps: a holding added by the store already carries the store's stamp, so
