@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, NoReturn
@@ -41,9 +41,16 @@ import numpy as np
 import numpy.typing as npt
 
 from llmsched import _llmsched
+from llmsched._copying import by_default, by_value, refuse
 from llmsched._tokens import TokensLike, native_tokens
 from llmsched.config_loader import ConfigSource, looks_like_text, read_config
-from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError, PlacementError
+from llmsched.errors import (
+    ConfigError,
+    InvalidTypeError,
+    InvalidValueError,
+    NotPicklableError,
+    PlacementError,
+)
 from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
 from llmsched.types import (
@@ -1743,3 +1750,32 @@ def _headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
 
 def _now(now: float | None) -> float:
     return check_now(now)
+
+
+def _reduce_profile(
+    profile: ProfileExplanation,
+) -> tuple[type[ProfileExplanation], tuple[object, ...]]:
+    """A profile's explanation rebuilt from its fields, unless it builds omitted rows on
+    demand from its router's decision (a closure no process but this one can run)."""
+    if profile._lookup is not None:
+        raise NotPicklableError(
+            "llmsched.routing.ProfileExplanation with omitted rows builds them from its "
+            "router's live decision and cannot be pickled or copied: explain(limit=None) "
+            "lists every row"
+        )
+    return ProfileExplanation, tuple(getattr(profile, f.name) for f in fields(profile))
+
+
+by_default(Endpoint, EndpointScores, Explanation)
+by_value(ProfileExplanation, _reduce_profile)
+refuse(
+    EndpointPool,
+    "build an EndpointPool per process from its endpoints (pool.endpoints())",
+    name="llmsched.EndpointPool",
+)
+refuse(Router, "build a Router per process from its pool and config", name="llmsched.Router")
+refuse(
+    Decision,
+    "keep what it reports (endpoint_id, explain()): a decision belongs to its router",
+    name="llmsched.Decision",
+)
