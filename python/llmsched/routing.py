@@ -1591,15 +1591,22 @@ def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
         if content is None:  # an assistant message with only tool calls
             content = ""
         elif isinstance(content, list):
-            content = "".join(
-                part.get("text", "")
-                for part in content
-                if isinstance(part, Mapping) and part.get("type") == "text"
-            )
+            content = "".join(_part_texts(content, i))
         if not isinstance(content, str):
             raise InvalidTypeError(f"messages[{i}]['content'] must be a str or a list of parts")
         out.append(f"<|{m['role']}|>\n{content}\n")
     return "".join(out)
+
+
+def _part_texts(parts: list[object], i: int) -> Iterator[str]:
+    """The texts of a message's text parts; one that is not a str is refused by its place
+    (``"".join`` raised a bare ``TypeError: sequence item 0: expected str instance``)."""
+    for j, part in enumerate(parts):
+        if isinstance(part, Mapping) and part.get("type") == "text":
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise InvalidTypeError(f"messages[{i}]['content'][{j}]['text'] must be a str")
+            yield text
 
 
 _ROLE_READERS = frozenset(
