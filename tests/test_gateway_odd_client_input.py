@@ -317,6 +317,35 @@ def test_nan_and_infinity_are_not_json() -> None:
     run(body())
 
 
+MALFORMED_MESSAGES = {
+    "content 5": ([{"role": "user", "content": 5}], "messages[0].content must be a string or"),
+    "no role": ([{"content": "hi"}], "messages[0] must be an object with a string role"),
+    "text part 5": (
+        [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": 5}]}],
+        "messages[0]['content'][1]['text'] must be a str",
+    ),
+}
+
+
+@pytest.mark.usefixtures("plane")
+@pytest.mark.parametrize("case", MALFORMED_MESSAGES)
+def test_malformed_messages_are_400_on_both_planes_without_a_tokenizer(case: str) -> None:
+    """Probe 60: without a tokenizer the native plane forwarded these (200) where the Python
+    plane answered 400, the text part's with Python's bare "sequence item 0: expected str
+    instance, int found"."""
+    messages, problem = MALFORMED_MESSAGES[case]
+
+    async def body() -> None:
+        async with rig(engines=1) as r:
+            data = json.dumps({"model": MODEL, "messages": messages}).encode()
+            status, text = await raw_request(r, data, path="/v1/chat/completions")
+            assert status == 400, text
+            assert json.loads(text)["error"]["message"].startswith(problem)
+            assert r.engines[0].received == []
+
+    run(body())
+
+
 @pytest.mark.usefixtures("plane")
 def test_a_long_prompt_being_tokenized_holds_no_other_request(tmp_path: Path) -> None:
     """A prompt of megabytes takes the tokenizer a second or so: it is tokenized off the

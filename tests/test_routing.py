@@ -419,6 +419,17 @@ def test_text_and_messages_share_prefixes() -> None:
         render_messages([{"content": "no role"}])
 
 
+def test_a_text_part_that_is_not_a_str_is_refused_by_its_place() -> None:
+    """Probe 60: ``Router.pick(messages=...)`` with a text part whose text is an int raised a
+    bare ``TypeError: sequence item 0: expected str instance, int found`` (on the Python
+    plane, a 400 carrying that message)."""
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": 5}]
+    router = Router(EndpointPool(["a"]), config="least-load")
+    with pytest.raises(InvalidTypeError, match=r"messages\[0\]\['content'\]\[1\]\['text'\]"):
+        router.pick(messages=[{"role": "user", "content": parts}])
+    assert router.stats()["pseudo_token_picks"] == 0
+
+
 def test_python_plugins() -> None:
     pool = EndpointPool(["a", "b", "c"], stale_policy="ignore")
     seen: list[dict] = []

@@ -313,6 +313,11 @@ class SwitchCostModel:
 class SliceDecision:
     """A slice-boundary decision: ``action`` is continue, yield, migrate or finish."""
 
+    def __new__(cls, *fields: object) -> SliceDecision:
+        """A decision rebuilt from its fields (what ``pickle`` and ``copy`` call), in this
+        order: action, level, priority, endpoint, next_slice_tokens, context_tokens,
+        generated_tokens, slices, benefit_s, yield_cost_s, migrate_cost_s, evict_probability.
+        """
     @property
     def action(self) -> Literal["continue", "yield", "migrate", "finish"]:
         """What the request does next."""
@@ -354,6 +359,12 @@ class SliceDecision:
 class SliceState:
     """A snapshot of one tracked request."""
 
+    def __new__(cls, *fields: object) -> SliceState:
+        """A snapshot rebuilt from its fields (what ``pickle`` and ``copy`` call), in this
+        order: priority, level, prompt_tokens, max_tokens, generated_tokens, slice_generated,
+        slice_tokens, slices, context_tokens, endpoint, route_to, paused_since; its ``phase``
+        is "paused" when ``paused_since`` is a time, else "running".
+        """
     @property
     def priority(self) -> int:
         """Its priority."""
@@ -398,6 +409,11 @@ class SliceState:
 class EndpointLoad:
     """An endpoint's load as last reported."""
 
+    def __new__(cls, *fields: object) -> EndpointLoad:
+        """A load rebuilt from its fields (what ``pickle`` and ``copy`` call), in this order:
+        kv_capacity_tokens, kv_cache_usage, waiting, prefill_tokens_per_s, decode_step_s;
+        ``kv_free_tokens`` follows from the capacity and the usage.
+        """
     @property
     def kv_capacity_tokens(self) -> float:
         """KV capacity, in tokens."""
@@ -854,6 +870,11 @@ class Outcome:
 class FlowDecision:
     """A request leaving flow control: dispatched, rejected or evicted."""
 
+    def __new__(cls, *fields: object) -> FlowDecision:
+        """A decision rebuilt from its fields (what ``pickle`` and ``copy`` call), in this
+        order: id, outcome, priority, tenant, prompt_tokens, size_bytes, wait_s, payload,
+        ticket.
+        """
     @property
     def id(self) -> int:
         """The request's id."""

@@ -35,6 +35,7 @@ __all__ = [
     "MalformedEventError",
     "MalformedSyncBatchError",
     "NoEndpointError",
+    "NotPicklableError",
     "PlacementError",
     "PolicyError",
     "SliceStateError",
@@ -148,6 +149,15 @@ class InvalidTypeError(LlmschedError, TypeError):
     """An argument is of the wrong type (a str where token ids belong, None where a number
     does, ...); nothing was changed. Subclasses ``TypeError``, so ``except TypeError`` keeps
     working."""
+
+
+class NotPicklableError(LlmschedError, TypeError):
+    """``pickle``, ``copy.copy`` or ``copy.deepcopy`` of an object that holds live native
+    state (a router, a flow controller, a slice tracker, a gateway, ...): the message names its
+    class and what to use instead (build one per process from its configuration, or keep a
+    snapshot such as ``PrefixIndex.dumps()``). Values (decisions, outcomes, configurations,
+    requests, cost models) pickle and copy. Subclasses ``TypeError``, what CPython raised
+    before (``cannot pickle 'builtins.X' object``)."""
 
 
 class FlowRejected(LlmschedError):

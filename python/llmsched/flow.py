@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import copyreg
 import itertools
 import math
 import operator
@@ -47,6 +46,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from llmsched._copying import by_default, refuse
 from llmsched._llmsched import FlowCore, FlowDecision, Outcome, flow_resolve_config
 from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
@@ -167,19 +167,6 @@ def default_config() -> FlowConfig:
     """
     return resolve_config(None)
 
-
-def _reduce_outcome(outcome: Outcome) -> tuple[Callable[[object, str], Outcome], tuple[Any, str]]:
-    """An :class:`Outcome` as ``pickle`` and ``copy`` take it: the member of that name (the
-    native enum has no reduction of its own).
-
-    >>> import pickle
-    >>> pickle.loads(pickle.dumps(Outcome.EVICTED_TTL)) == Outcome.EVICTED_TTL
-    True
-    """
-    return getattr, (Outcome, outcome.key.upper())
-
-
-copyreg.pickle(Outcome, _reduce_outcome)
 
 _Waiter = tuple["asyncio.AbstractEventLoop", "asyncio.Future[FlowDecision]"]
 
@@ -775,3 +762,11 @@ class FlowController:
 def _set_result(future: asyncio.Future[FlowDecision], decision: FlowDecision) -> None:
     if not future.done():
         future.set_result(decision)
+
+
+by_default(FlowRequest)
+refuse(
+    FlowController,
+    "build a FlowController per process from its config (controller.config())",
+    name="llmsched.FlowController",
+)

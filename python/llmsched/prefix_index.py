@@ -23,13 +23,14 @@ import math
 import operator
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeAlias, Union
 
 import numpy as np
 import numpy.typing as npt
 
 from llmsched import _llmsched
+from llmsched._copying import by_value
 from llmsched._llmsched import PrefixMatch
 from llmsched._tokens import TokensLike, native_tokens
 from llmsched.errors import InvalidTypeError, InvalidValueError
@@ -698,7 +699,7 @@ class PrefixIndex:
         """
         return cls._wrap(_llmsched.PrefixIndex.loads(check_bytes("data", data), time.monotonic()))
 
-    def __reduce__(self) -> tuple[object, tuple[bytes]]:
+    def __reduce__(self) -> tuple[Callable[[bytes], PrefixIndex], tuple[bytes]]:
         """Pickled as its :meth:`dumps` snapshot (a multiprocessing worker gets a copy).
 
         >>> import pickle
@@ -732,3 +733,6 @@ def _now(now: float | None) -> float:
     if type(now) is float and 0.0 <= now < _INF:
         return now
     return check_now(now)
+
+
+by_value(PrefixIndex, PrefixIndex.__reduce__)  # its snapshot

@@ -32,7 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, NoReturn
@@ -41,9 +41,16 @@ import numpy as np
 import numpy.typing as npt
 
 from llmsched import _llmsched
+from llmsched._copying import by_default, by_value, refuse
 from llmsched._tokens import TokensLike, native_tokens
 from llmsched.config_loader import ConfigSource, looks_like_text, read_config
-from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError, PlacementError
+from llmsched.errors import (
+    ConfigError,
+    InvalidTypeError,
+    InvalidValueError,
+    NotPicklableError,
+    PlacementError,
+)
 from llmsched.hashing import pack_text
 from llmsched.prefix_index import PrefixIndex
 from llmsched.types import (
@@ -1584,15 +1591,22 @@ def render_messages(messages: Sequence[Mapping[str, Any]]) -> str:
         if content is None:  # an assistant message with only tool calls
             content = ""
         elif isinstance(content, list):
-            content = "".join(
-                part.get("text", "")
-                for part in content
-                if isinstance(part, Mapping) and part.get("type") == "text"
-            )
+            content = "".join(_part_texts(content, i))
         if not isinstance(content, str):
             raise InvalidTypeError(f"messages[{i}]['content'] must be a str or a list of parts")
         out.append(f"<|{m['role']}|>\n{content}\n")
     return "".join(out)
+
+
+def _part_texts(parts: list[object], i: int) -> Iterator[str]:
+    """The texts of a message's text parts; one that is not a str is refused by its place
+    (``"".join`` raised a bare ``TypeError: sequence item 0: expected str instance``)."""
+    for j, part in enumerate(parts):
+        if isinstance(part, Mapping) and part.get("type") == "text":
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise InvalidTypeError(f"messages[{i}]['content'][{j}]['text'] must be a str")
+            yield text
 
 
 _ROLE_READERS = frozenset(
@@ -1743,3 +1757,32 @@ def _headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
 
 def _now(now: float | None) -> float:
     return check_now(now)
+
+
+def _reduce_profile(
+    profile: ProfileExplanation,
+) -> tuple[type[ProfileExplanation], tuple[object, ...]]:
+    """A profile's explanation rebuilt from its fields, unless it builds omitted rows on
+    demand from its router's decision (a closure no process but this one can run)."""
+    if profile._lookup is not None:
+        raise NotPicklableError(
+            "llmsched.routing.ProfileExplanation with omitted rows builds them from its "
+            "router's live decision and cannot be pickled or copied: explain(limit=None) "
+            "lists every row"
+        )
+    return ProfileExplanation, tuple(getattr(profile, f.name) for f in fields(profile))
+
+
+by_default(Endpoint, EndpointScores, Explanation)
+by_value(ProfileExplanation, _reduce_profile)
+refuse(
+    EndpointPool,
+    "build an EndpointPool per process from its endpoints (pool.endpoints())",
+    name="llmsched.EndpointPool",
+)
+refuse(Router, "build a Router per process from its pool and config", name="llmsched.Router")
+refuse(
+    Decision,
+    "keep what it reports (endpoint_id, explain()): a decision belongs to its router",
+    name="llmsched.Decision",
+)

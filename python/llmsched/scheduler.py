@@ -60,6 +60,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llmsched._aio import cancel_and_wait, settled
+from llmsched._copying import by_default, refuse
 from llmsched._tokens import MAX_TOKEN_ID, TokensLike, as_token_array, raise_out_of_range
 from llmsched.config_loader import ConfigSource, load_mapping
 from llmsched.errors import (
@@ -2116,3 +2117,21 @@ def _flow_config(flow: ConfigSource, stale_after_s: float) -> dict[str, object]:
     if isinstance(saturation, dict) and saturation.get("type", "utilization") == "utilization":
         saturation.setdefault("staleness_s", stale_after_s)
     return config
+
+
+by_default(ScheduleRequest)
+refuse(
+    Scheduler,
+    "build a Scheduler per process from its config",
+    name="llmsched.Scheduler",
+)
+refuse(
+    Admission,
+    "an admission belongs to the scheduler that made it; keep its fields",
+    name="llmsched.Admission",
+)
+refuse(
+    Placement,
+    "a placement belongs to the scheduler that made it; keep its endpoint",
+    name="llmsched.Placement",
+)

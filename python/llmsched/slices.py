@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 from llmsched import _llmsched
+from llmsched._copying import by_default, by_value, refuse
 from llmsched._llmsched import EndpointLoad, SliceDecision, SliceState
 from llmsched.errors import ConfigError, InvalidTypeError, InvalidValueError
 from llmsched.validation import (
@@ -919,3 +920,29 @@ class SliceAssembler:
 
     def __repr__(self) -> str:
         return f"SliceAssembler(generated_tokens={self.generated_tokens}, done={self.done})"
+
+
+def _cost_model_from(params: dict[str, float]) -> SwitchCostModel:
+    """The model of these parameters: what a pickled or copied :class:`SwitchCostModel` is
+    rebuilt with (its constructor takes them as keywords, which a reduction cannot pass)."""
+    return SwitchCostModel(**params)
+
+
+def _reduce_cost_model(
+    model: SwitchCostModel,
+) -> tuple[Callable[[dict[str, float]], SwitchCostModel], tuple[dict[str, float]]]:
+    return _cost_model_from, (model.to_dict(),)
+
+
+by_value(SwitchCostModel, _reduce_cost_model)
+by_default(WaitingRequest, SliceStart, SliceUsage)
+refuse(
+    SliceTracker,
+    "build a SliceTracker per process from its policy, params() and cost_model()",
+    name="llmsched.SliceTracker",
+)
+refuse(
+    SliceAssembler,
+    "assemble each response in the process that serves it",
+    name="llmsched.SliceAssembler",
+)

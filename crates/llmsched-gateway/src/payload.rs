@@ -337,6 +337,46 @@ pub fn non_empty_array(raw: &RawValue) -> Option<bool> {
     Some(!inner.trim_start_matches([' ', '\t', '\n', '\r']).starts_with(']'))
 }
 
+/// The checks the Python plane makes of a chat's `messages` when no tokenizer reads them
+/// (`_check_messages` in python/llmsched/gateway/app.py, `render_messages` in
+/// python/llmsched/routing.py), in its words: each message an object with a string role, its
+/// content null, a string or a list of parts, a text part's text a string. `messages` that is
+/// not a list is left to the caller.
+pub fn check_messages(payload: &Payload<'_>) -> Result<(), String> {
+    let Some(messages) = payload.raw("messages").and_then(array_items) else {
+        return Ok(());
+    };
+    for (i, message) in messages.into_iter().enumerate() {
+        let fields = object_fields(message, &["role", "content"]).ok().flatten();
+        let Some([Some(role), content]) = fields else {
+            return Err(format!("messages[{i}] must be an object with a string role"));
+        };
+        if as_str(role).is_none() {
+            return Err(format!("messages[{i}] must be an object with a string role"));
+        }
+        match content {
+            None => {}
+            Some(raw) if raw.get() == "null" || as_str(raw).is_some() => {}
+            Some(raw) => check_parts(raw, i)?,
+        }
+    }
+    Ok(())
+}
+
+/// Message `i`'s content as a list of parts, each text part's text a string.
+fn check_parts(content: &RawValue, i: usize) -> Result<(), String> {
+    let parts = array_items(content)
+        .ok_or_else(|| format!("messages[{i}].content must be a string or a list of parts"))?;
+    for (j, part) in parts.into_iter().enumerate() {
+        if let Ok(Some([Some(kind), Some(text)])) = object_fields(part, &["type", "text"]) {
+            if as_str(kind).as_deref() == Some("text") && as_str(text).is_none() {
+                return Err(format!("messages[{i}]['content'][{j}]['text'] must be a str"));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn problem(err: &serde_json::Error) -> Problem {
     if err.to_string().contains("recursion limit") {
         Problem::Nested
@@ -712,6 +752,32 @@ mod tests {
 
     fn parse(text: &str) -> Result<Payload<'_>, Problem> {
         Payload::parse(text.as_bytes())
+    }
+
+    #[test]
+    fn messages_are_checked_as_the_python_plane_checks_them() {
+        let check = |messages: &str| {
+            let body = format!(r#"{{"messages": {messages}}}"#);
+            check_messages(&parse(&body).unwrap())
+        };
+        let ok = r#"[{"role": "user", "content": [{"type": "text", "text": "a"},
+            {"type": "image_url", "image_url": {"url": "x"}}]}, {"role": "a", "content": null},
+            {"role": "tool", "tool_calls": []}]"#;
+        assert_eq!(check(ok), Ok(()));
+        for (messages, problem) in [
+            (r#"[{"content": "hi"}]"#, "messages[0] must be an object with a string role"),
+            (r#"[{"role": "u"}, 5]"#, "messages[1] must be an object with a string role"),
+            (r#"[{"role": 1, "content": "hi"}]"#, "messages[0] must be an object"),
+            (r#"[{"role": "u", "content": 5}]"#, "messages[0].content must be a string or a"),
+            (
+                r#"[{"role": "u", "content": [{"type": "text", "text": "a"},
+                   {"type": "text", "text": 5}]}]"#,
+                "messages[0]['content'][1]['text'] must be a str",
+            ),
+        ] {
+            let found = check(messages).unwrap_err();
+            assert!(found.starts_with(problem), "{messages}: {found}");
+        }
     }
 
     #[test]

@@ -330,6 +330,9 @@ impl Gateway {
             return Ok(Vec::new());
         }
         let Some(tokenizer) = &self.tokenizer else {
+            if chat {
+                payload::check_messages(payload).map_err(bad)?; // as the Python plane does
+            }
             return prompt_tokens(payload, chat, self.context_len()).map_err(|p| bad(p.to_owned()));
         };
         // The same first check as without a tokenizer.

@@ -5,8 +5,10 @@ use std::sync::Arc;
 
 use crate::convert::{config_mapping, to_python};
 use crate::errors::{detach, CoreResult};
+use crate::rebuild::Fields;
 use parking_lot::Mutex;
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 use super::errors::InvalidRequestError;
 use llmsched_core::flow::{
@@ -84,6 +86,10 @@ impl PyOutcome {
     }
 }
 
+/// A [`PyFlowDecision`]'s fields in its constructor's order.
+const FLOW_DECISION_FIELDS: &str =
+    "id outcome priority tenant prompt_tokens size_bytes wait_s payload ticket";
+
 /// A request leaving the queue (or refused at the door): id, outcome and payload.
 #[pyclass(frozen, name = "FlowDecision", module = "llmsched._llmsched")]
 pub struct PyFlowDecision {
@@ -125,6 +131,25 @@ impl From<FlowDecision<Carried>> for PyFlowDecision {
 
 #[pymethods]
 impl PyFlowDecision {
+    /// A decision rebuilt from its fields, in `FLOW_DECISION_FIELDS`' order (what `pickle`
+    /// and `copy` call).
+    #[new]
+    #[pyo3(signature = (*fields))]
+    fn new(fields: &Bound<'_, PyTuple>) -> PyResult<Self> {
+        let mut f = Fields::new("FlowDecision", FLOW_DECISION_FIELDS, fields)?;
+        Ok(PyFlowDecision {
+            id: f.next()?,
+            outcome: *f.next::<PyRef<'_, PyOutcome>>()?,
+            priority: f.next()?,
+            tenant: f.next::<String>()?.into(),
+            prompt_tokens: f.next()?,
+            size_bytes: f.next()?,
+            wait_s: f.next()?,
+            payload: f.next_any()?.unbind(),
+            ticket: f.next()?,
+        })
+    }
+
     #[getter]
     fn tenant(&self) -> &str {
         &self.tenant

@@ -10,6 +10,7 @@ mod hashing;
 mod kv_feed;
 mod prefix_index;
 mod pyints;
+mod rebuild;
 mod replica_sync;
 mod routing;
 mod sim;

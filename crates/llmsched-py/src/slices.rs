@@ -3,12 +3,14 @@
 use std::sync::Arc;
 
 use crate::convert::{config_mapping, to_python};
-use crate::errors::{detach, CoreResult};
+use crate::errors::{detach, CoreResult, InvalidValueError};
+use crate::rebuild::Fields;
 use parking_lot::Mutex;
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 use llmsched_core::slices::{
-    self as core, Decision, EndpointLoad, EndpointReport, Phase, RequestView, SliceStart,
+    self as core, Action, Decision, EndpointLoad, EndpointReport, Phase, RequestView, SliceStart,
     WaitingRequest,
 };
 
@@ -100,6 +102,22 @@ fn slice_policy_defaults<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py
     to_python(py, &core::policy_defaults(name).py()?)
 }
 
+/// A [`PySliceDecision`]'s fields in its constructor's order.
+const SLICE_DECISION_FIELDS: &str = concat!(
+    "action level priority endpoint next_slice_tokens context_tokens generated_tokens slices ",
+    "benefit_s yield_cost_s migrate_cost_s evict_probability"
+);
+
+/// A [`PySliceState`]'s fields in its constructor's order (its phase follows from the last).
+const SLICE_STATE_FIELDS: &str = concat!(
+    "priority level prompt_tokens max_tokens generated_tokens slice_generated slice_tokens ",
+    "slices context_tokens endpoint route_to paused_since"
+);
+
+/// A [`PyEndpointLoad`]'s fields in its constructor's order (its free tokens follow).
+const ENDPOINT_LOAD_FIELDS: &str =
+    "kv_capacity_tokens kv_cache_usage waiting prefill_tokens_per_s decode_step_s";
+
 /// A slice-boundary decision.
 #[pyclass(frozen, get_all, name = "SliceDecision", module = "llmsched._llmsched")]
 pub struct PySliceDecision {
@@ -138,12 +156,46 @@ impl From<Decision> for PySliceDecision {
 
 #[pymethods]
 impl PySliceDecision {
+    /// A decision rebuilt from its fields, in `SLICE_DECISION_FIELDS`' order (what `pickle`
+    /// and `copy` call).
+    #[new]
+    #[pyo3(signature = (*fields))]
+    fn new(fields: &Bound<'_, PyTuple>) -> PyResult<Self> {
+        let mut f = Fields::new("SliceDecision", SLICE_DECISION_FIELDS, fields)?;
+        let decision = Decision {
+            action: action_named(&f.next::<String>()?)?,
+            level: f.next()?,
+            priority: f.next()?,
+            endpoint: f.next::<Option<String>>()?.map(Arc::from),
+            next_slice_tokens: f.next()?,
+            context_tokens: f.next()?,
+            generated_tokens: f.next()?,
+            slices: f.next()?,
+            benefit_s: f.next()?,
+            yield_cost_s: f.next()?,
+            migrate_cost_s: f.next()?,
+            evict_probability: f.next()?,
+        };
+        Ok(decision.into())
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "SliceDecision(action={:?}, level={}, endpoint={:?}, next_slice_tokens={})",
             self.action, self.level, self.endpoint, self.next_slice_tokens
         )
     }
+}
+
+/// The action of that name (`Action::as_str`'s).
+fn action_named(name: &str) -> PyResult<Action> {
+    const ALL: [Action; 4] = [Action::Continue, Action::Yield, Action::Migrate, Action::Finish];
+    ALL.into_iter().find(|a| a.as_str() == name).ok_or_else(|| {
+        let known: Vec<&str> = ALL.iter().map(|a| a.as_str()).collect();
+        InvalidValueError::new_err(format!(
+            "SliceDecision: action must be one of {known:?}, got {name:?}"
+        ))
+    })
 }
 
 /// A snapshot of one tracked request.
@@ -164,12 +216,49 @@ pub struct PySliceState {
     paused_since: Option<f64>,
 }
 
+#[pymethods]
+impl PySliceState {
+    /// A snapshot rebuilt from its fields, in `SLICE_STATE_FIELDS`' order (what `pickle` and
+    /// `copy` call); its ``phase`` is "paused" when ``paused_since`` is a time, else "running".
+    #[new]
+    #[pyo3(signature = (*fields))]
+    fn new(fields: &Bound<'_, PyTuple>) -> PyResult<Self> {
+        let mut f = Fields::new("SliceState", SLICE_STATE_FIELDS, fields)?;
+        let state = Self {
+            priority: f.next()?,
+            level: f.next()?,
+            prompt_tokens: f.next()?,
+            max_tokens: f.next()?,
+            generated_tokens: f.next()?,
+            slice_generated: f.next()?,
+            slice_tokens: f.next()?,
+            slices: f.next()?,
+            context_tokens: f.next()?,
+            endpoint: f.next()?,
+            route_to: f.next()?,
+            phase: phase_name(None),
+            paused_since: f.next()?,
+        };
+        let paused = state.paused_since.map(|since| Phase::Paused { since });
+        Ok(Self { phase: phase_name(paused), ..state })
+    }
+}
+
+/// The name a snapshot shows for a phase: "running" or "paused".
+fn phase_name(paused: Option<Phase>) -> &'static str {
+    match paused.unwrap_or(Phase::Running) {
+        Phase::Running => "running",
+        Phase::Paused { .. } => "paused",
+    }
+}
+
 impl From<RequestView> for PySliceState {
     fn from(v: RequestView) -> Self {
-        let (phase, paused_since) = match v.phase {
-            Phase::Running => ("running", None),
-            Phase::Paused { since } => ("paused", Some(since)),
+        let paused_since = match v.phase {
+            Phase::Running => None,
+            Phase::Paused { since } => Some(since),
         };
+        let phase = phase_name(Some(v.phase));
         Self {
             priority: v.priority,
             level: v.level,
@@ -197,6 +286,25 @@ pub struct PyEndpointLoad {
     waiting: u32,
     prefill_tokens_per_s: f64,
     decode_step_s: f64,
+}
+
+#[pymethods]
+impl PyEndpointLoad {
+    /// A load rebuilt from its fields, in `ENDPOINT_LOAD_FIELDS`' order (what `pickle` and
+    /// `copy` call); ``kv_free_tokens`` follows from the capacity and the usage.
+    #[new]
+    #[pyo3(signature = (*fields))]
+    fn new(fields: &Bound<'_, PyTuple>) -> PyResult<Self> {
+        let mut f = Fields::new("EndpointLoad", ENDPOINT_LOAD_FIELDS, fields)?;
+        let load = EndpointLoad {
+            kv_capacity_tokens: f.next()?,
+            kv_usage: f.next()?,
+            waiting: f.next()?,
+            prefill_tokens_per_s: f.next()?,
+            decode_step_s: f.next()?,
+        };
+        Ok(load.into())
+    }
 }
 
 impl From<EndpointLoad> for PyEndpointLoad {

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmsched import _llmsched
 from llmsched._aio import cancel_and_wait
+from llmsched._copying import refuse
 from llmsched.errors import ConfigError, GatewayStoppedError
 from llmsched.flow import FlowController
 from llmsched.gateway.admin import check_engine_url
@@ -731,3 +732,10 @@ class NativeGateway:
             except Exception as exc:
                 self._discovery_errors += 1
                 errors.log(exc)
+
+
+refuse(
+    NativeGateway,
+    "start one gateway per process from its config",
+    name="llmsched.gateway.NativeGateway",
+)

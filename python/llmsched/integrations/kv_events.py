@@ -102,6 +102,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from llmsched import _llmsched
+from llmsched._copying import refuse
 from llmsched.errors import (
     ConfigError,
     InvalidTypeError,
@@ -1630,3 +1631,15 @@ def _int_at_least(name: str, value: object, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
     return value
+
+
+refuse(
+    KVEventSubscriber,
+    "start one subscriber per process, on its own index",
+    name="llmsched.integrations.KVEventSubscriber",
+)
+refuse(
+    NativeKVEventSubscriber,
+    "start one subscriber per process, on its own index",
+    name="llmsched.integrations.NativeKVEventSubscriber",
+)
