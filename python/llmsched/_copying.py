@@ -34,6 +34,7 @@ __all__ = ["DECISIONS", "by_default", "by_fields", "by_value", "refuse"]
 
 T = TypeVar("T")
 
+# copyreg's own signature (typeshed) takes any callable and arguments: a narrower type is refused.
 Reduction = tuple[Callable[..., Any], tuple[Any, ...]]
 """What a reducer returns: a callable and the arguments that rebuild the object."""
 
