@@ -122,7 +122,7 @@ pub use guards::ApiKeyConfig;
 pub use health::HealthConfig;
 pub use metrics::Counters;
 pub use relay::{Cut, Relay};
-pub use server::{listen_backlog, spawn, start, GatewayHandle, Running};
+pub use server::{listen_backlog, runtime_builder, spawn, start, GatewayHandle, Running};
 
 /// Seconds on `CLOCK_MONOTONIC`: the clock of Python's `time.monotonic()`, so that a router
 /// shared with Python sees one time line.

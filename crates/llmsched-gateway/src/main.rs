@@ -88,15 +88,10 @@ fn run() -> Result<(), String> {
             _ => return Err(format!("unknown flag --{name}")),
         }
     }
-    // One thread: everything on the thread that runs the loop (no cross-thread wake-ups).
-    let mut builder = if threads == 1 {
-        tokio::runtime::Builder::new_current_thread()
-    } else {
-        let mut builder = tokio::runtime::Builder::new_multi_thread();
-        builder.worker_threads(threads);
-        builder
-    };
-    let runtime = builder.enable_all().build().map_err(|e| e.to_string())?;
+    let runtime = llmsched_gateway::runtime_builder(threads)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
     runtime.block_on(async move {
         let handle = llmsched_gateway::start(listen, config).await.map_err(|e| e.to_string())?;
         println!("{}", serde_json::json!({ "listening": handle.addr.to_string() }));

@@ -65,6 +65,17 @@ pub async fn start(
     Ok(GatewayHandle { addr, counters, gateway })
 }
 
+/// The tokio runtime of `threads` worker threads. One thread: everything on the thread that
+/// runs the loop (a current-thread runtime: no cross-thread wake-ups).
+pub fn runtime_builder(threads: usize) -> tokio::runtime::Builder {
+    if threads == 1 {
+        return tokio::runtime::Builder::new_current_thread();
+    }
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    builder.worker_threads(threads);
+    builder
+}
+
 /// The listen backlog of a gateway taking `max_connections` client connections: room for
 /// all of them to arrive at once, never less than tokio's default of 1,024 (the kernel caps it
 /// at `net.core.somaxconn`). Under a burst of new connections a short queue overflows and
@@ -112,14 +123,7 @@ pub fn spawn(
     let gateway = Arc::new(build(config, source, hooks)?);
     let std_listener = bind(addr, backlog)?;
     let addr = std_listener.local_addr().map_err(|e| ConfigProblem(e.to_string()))?;
-    let mut builder = if threads == 1 {
-        tokio::runtime::Builder::new_current_thread()
-    } else {
-        let mut builder = tokio::runtime::Builder::new_multi_thread();
-        builder.worker_threads(threads);
-        builder
-    };
-    let runtime = builder
+    let runtime = runtime_builder(threads)
         .enable_all()
         .thread_name("llmsched-gateway")
         .build()
