@@ -239,6 +239,15 @@ def test_as_token_array_does_not_copy_contiguous_input() -> None:
 # --- rejected input --------------------------------------------------------------------------
 
 
+def stable_id(value: object) -> str:
+    """A test id that is the same in every process (a memoryview's repr holds its address,
+    and pytest-xdist's workers must collect the same ids)."""
+    if isinstance(value, memoryview):
+        access = "ro" if value.readonly else "rw"
+        return f"memoryview-{value.format}-{value.nbytes}-{access}"
+    return repr(value)
+
+
 @pytest.mark.parametrize(
     "tokens",
     [
@@ -258,7 +267,7 @@ def test_as_token_array_does_not_copy_contiguous_input() -> None:
         3,
         None,
     ],
-    ids=repr,
+    ids=stable_id,
 )
 def test_non_integer_input_raises_type_error(tokens: Any) -> None:
     with pytest.raises(TypeError):
@@ -278,7 +287,7 @@ def test_non_integer_input_raises_type_error(tokens: Any) -> None:
         (memoryview(bytes(range(16)))[2:], "raw bytes"),
         (np.ma.masked_array(np.arange(16), mask=[False] * 15 + [True]), "masked array"),
     ],
-    ids=repr,
+    ids=stable_id,
 )
 def test_unordered_raw_byte_and_masked_input_is_refused(tokens: Any, match: str) -> None:
     # Each was hashed before: a set in its iteration order, a dict's keys, a memoryview of

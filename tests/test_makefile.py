@@ -25,8 +25,12 @@ echo "$(basename "$0") $*" >> "{log}"
 {extra}
 """
 
-# The venv's Python also logs what it would do with bytecode: its two variables, as it sees them.
+# The venv's Python also logs what it would do with bytecode: its two variables, as it sees them;
+# as tools/develop_from_wheel.py it leaves the extension, as the real one does.
 _BYTECODE = 'echo "bytecode ${PYTHONDONTWRITEBYTECODE-unset} ${PYTHONPYCACHEPREFIX-}" >> "{log}"'
+_DEVELOP = (
+    'if [ "$1" = tools/develop_from_wheel.py ]; then touch python/llmsched/_llmsched.abi3.so; fi'
+)
 
 
 @pytest.fixture
@@ -35,7 +39,14 @@ def tree(tmp_path: Path) -> Path:
     for name in ("Makefile", "tools/pgo_profile.py", "pgo/profile.json"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, tmp_path / name)
-    for name in ("Cargo.toml", "Cargo.lock", "pyproject.toml", "crates/c/src/lib.rs"):
+    for name in (
+        "Cargo.toml",
+        "Cargo.lock",
+        "pyproject.toml",
+        "README.md",
+        "LICENSE",
+        "crates/c/src/lib.rs",
+    ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("")
     (tmp_path / "python" / "llmsched").mkdir(parents=True)
@@ -47,7 +58,7 @@ def tree(tmp_path: Path) -> Path:
         "cargo": "",
         "ruff": "",
         "mypy": "",
-        "python": _BYTECODE.replace("{log}", str(log)),
+        "python": _BYTECODE.replace("{log}", str(log)) + "\n" + _DEVELOP,
     }
     for name, extra in stand_ins.items():
         (bin_dir / name).write_text(_LOGGER.format(log=log, extra=extra))
@@ -101,6 +112,29 @@ def test_build_runs_maturin_only_when_something_changed(tree: Path) -> None:
     assert _builds(_make(tree, "build")) == 5
     _make(tree, "build-dev")  # the debug extension replaces the release one
     assert _builds(_make(tree, "build")) == 6
+
+
+def test_build_from_wheel_installs_the_wheels_extension_and_compiles_once(tree: Path) -> None:
+    """CI's `make build BUILD_FROM_WHEEL=1`: the wheel's release build, then its extension put
+    in place by tools/develop_from_wheel.py, no `maturin develop`; a later plain `make build`
+    (as `make test` runs it) finds the extension current."""
+    (tree / "dist").mkdir()  # where the real maturin writes the wheel
+    calls = _make(tree, "build", "BUILD_FROM_WHEEL=1")
+    maturin = [call for call in calls if call.startswith("maturin ")]
+    assert _builds(calls) == 0, calls
+    assert maturin[0].startswith("maturin build --release --zig"), calls
+    assert any(c.startswith("python tools/develop_from_wheel.py dist/") for c in calls), calls
+    (tree / "calls.log").unlink()
+    assert [c for c in _make(tree, "build") if not c.startswith("bytecode ")] == []
+
+
+def test_make_test_runs_the_python_tests_in_several_processes(tree: Path) -> None:
+    pytest_calls = [c for c in _make(tree, "test-python") if c.startswith("python -m pytest")]
+    assert pytest_calls and pytest_calls[0].endswith(" -n 3"), pytest_calls
+    (tree / "calls.log").unlink()
+    calls = _make(tree, "test-python", "PYTEST_WORKERS=1")
+    pytest_calls = [c for c in calls if c.startswith("python -m pytest")]
+    assert pytest_calls and " -n " not in pytest_calls[0], pytest_calls
 
 
 def test_make_test_builds_the_harness_before_cargo_test(tree: Path) -> None:

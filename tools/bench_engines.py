@@ -359,12 +359,15 @@ def predict(
     }
 
 
-def calibrate(engines: Sequence[VllmEngine], out: Path) -> Path:
+def calibrate(engines: Sequence[VllmEngine], out: Path, repeats: int | None = None) -> Path:
     """Fit the step model with ``llmsched calibrate --engine``, both engines timed at once
-    (engines sharing a machine slow each other down, as they do in the runs)."""
+    (engines sharing a machine slow each other down, as they do in the runs); ``repeats``: timed
+    runs per grid point (calibrate's default, 3, where None)."""
     urls = ",".join(e.base_url for e in engines)
     command = [sys.executable, "-m", "llmsched", "calibrate", "--engine", urls]
     command += ["--model", MODEL_NAME, "--out", str(out)]
+    if repeats is not None:
+        command += ["--repeats", str(repeats)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"llmsched calibrate failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -440,13 +443,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rate", type=float, default=Setup.rate, help="requests per second")
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--short", action="store_true", help="one repeat, fewer users")
+    parser.add_argument(
+        "--short",
+        action="store_true",
+        help="one repeat, fewer users, each calibration point timed once",
+    )
     args = parser.parse_args(argv)
     setup = Setup(rate=args.rate)
     repeats = args.repeats
+    # The calibration's three timings per grid point (75 requests in all) took 60% of the short
+    # form's time (237 of 387 s in CI): one each still fits the 7 coefficients from 25 points.
+    calibration_repeats: int | None = None
     if args.short:
         setup = Setup(rate=args.rate, groups=3, users_per_group=3, rounds=2)
         repeats = 1
+        calibration_repeats = 1
     policies = [p for p in args.policies.split(",") if p]
     out = args.out or Path(tempfile.mkdtemp(prefix="llmsched-bench-engines-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -480,7 +491,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     print(f"engines healthy after {start_engines(engines):.0f} s")
     try:
-        step_model = calibrate(engines, out / "step_model.yaml")
+        started = time.monotonic()
+        step_model = calibrate(engines, out / "step_model.yaml", calibration_repeats)
+        print(f"calibrated in {time.monotonic() - started:.0f} s", flush=True)
         reset_caches(engines)
         runs: dict[str, list[Figures]] = {p: [] for p in policies}
         predictions: dict[str, list[Figures]] = {p: [] for p in policies}
@@ -488,11 +501,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             order = policies[repeat % len(policies) :] + policies[: repeat % len(policies)]
             for policy in order:
                 workdir = out / f"{policy}-{repeat}"
+                started = time.monotonic()
                 figures, rows = run_policy(
                     setup, engines, model_dir, args.client_python, policy, workdir
                 )
                 runs[policy].append(figures)
-                print(f"{policy} repeat {repeat}: {figures}", flush=True)
+                took = time.monotonic() - started
+                print(f"{policy} repeat {repeat} (run in {took:.0f} s): {figures}", flush=True)
                 predictions[policy].append(predict(setup, rows, step_model, policy, workdir))
     finally:
         for engine in engines:
