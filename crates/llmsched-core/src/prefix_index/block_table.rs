@@ -147,6 +147,11 @@ impl BlockTable {
         self.get(nodes, hash).is_some()
     }
 
+    /// Whether [`Self::reserve`] of `additional` blocks would rebuild the table larger.
+    pub fn must_grow(&self, additional: usize) -> bool {
+        self.table.capacity() - self.table.len() < additional
+    }
+
     /// Makes room for `additional` new blocks. Call only where every entry is in place; when the
     /// table must grow, it is rebuilt from `nodes` at least twice as large (as a hash table
     /// grows), or at its size when removals left its free slots as tombstones, but never more

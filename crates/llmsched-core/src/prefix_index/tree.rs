@@ -639,7 +639,7 @@ impl Tree {
     /// entries made are taken out and the edge cut back: the tree is as it was, but for a
     /// renumbering ([`Self::make_room_after`]) that moves no block.
     fn stage_onto(&mut self, at: NodeId, new: &[u64]) -> Result<(), StoreRefusal> {
-        self.blocks.reserve(&self.nodes, new.len());
+        self.reserve_new(new)?;
         self.blocks.warm(&self.nodes, new);
         let (first, recorded) = self.extend_edge(at, new);
         for (j, &h) in new.iter().enumerate() {
@@ -663,7 +663,7 @@ impl Tree {
     /// then recording cost three. On a conflict the entries made are taken out and the node
     /// freed: the tree is as it was.
     fn stage(&mut self, new: &[u64]) -> Result<NodeId, StoreRefusal> {
-        self.blocks.reserve(&self.nodes, new.len());
+        self.reserve_new(new)?;
         self.blocks.warm(&self.nodes, new);
         let from_free = !self.free.is_empty();
         let node = self.alloc(Node { hashes: new.to_vec(), parent: DEAD, ..Node::default() });
@@ -683,6 +683,23 @@ impl Tree {
             return Err(StoreRefusal::Conflict(h));
         }
         Ok(node)
+    }
+
+    /// Makes room in the block table for the new blocks `new`. Where that grows the table (now
+    /// and then), they are first checked to be new, neither in the tree nor repeated, so that a
+    /// refused store leaves the table at its size (and the index's `bytes` as they were);
+    /// otherwise the inserts that record them find any conflict.
+    fn reserve_new(&mut self, new: &[u64]) -> Result<(), StoreRefusal> {
+        if self.blocks.must_grow(new.len()) {
+            let mut seen = hashbrown::HashSet::with_capacity(new.len());
+            if let Some(&h) =
+                new.iter().find(|&&h| self.blocks.contains(&self.nodes, h) || !seen.insert(h))
+            {
+                return Err(StoreRefusal::Conflict(h));
+            }
+        }
+        self.blocks.reserve(&self.nodes, new.len());
+        Ok(())
     }
 
     /// Gives `w` (with `attrs`) every block of the already-present run after `start`.

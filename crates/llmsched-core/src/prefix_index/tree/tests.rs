@@ -113,6 +113,28 @@ fn a_staged_run_that_conflicts_leaves_the_tree_as_it_was() {
 }
 
 #[test]
+fn a_refused_store_that_would_grow_the_block_table_leaves_it_its_size() {
+    let c = chains();
+    let mut t = Tree::new();
+    t.store(0, &c[0][..2], None, HELD).unwrap();
+    let (before, bytes) = (shape(&t), t.blocks.bytes());
+    // A short new child, a long one, and an append onto worker 0's own leaf, each conflicting
+    // (a block in the tree, or one repeated) and each needing the table to grow.
+    let long: Vec<u64> = c[2][5..].iter().copied().chain([c[0][0]]).collect();
+    let runs = [
+        (vec![c[1][7], c[0][1]], None),
+        (long, None),
+        (vec![c[0][5], c[0][6], c[0][5]], Some(c[0][1])),
+    ];
+    for (run, parent) in runs {
+        assert!(t.blocks.must_grow(run.len()));
+        let err = t.store(0, &run, parent, HELD).unwrap_err();
+        assert_eq!(err, StoreRefusal::Conflict(run[run.len() - 1]));
+        assert_eq!((shape(&t), t.blocks.bytes()), (before.clone(), bytes));
+    }
+}
+
+#[test]
 fn a_short_run_after_blocks_restored_on_a_leaf_held_alone_extends_it() {
     // Worker 0 reports blocks it holds again with two new ones after them: the new run is
     // staged as a node (its position is known only once the held run is walked), then moved
