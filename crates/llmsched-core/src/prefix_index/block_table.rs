@@ -147,6 +147,11 @@ impl BlockTable {
         self.get(nodes, hash).is_some()
     }
 
+    /// Whether [`Self::reserve`] of `additional` blocks would rebuild the table larger.
+    pub fn must_grow(&self, additional: usize) -> bool {
+        self.table.capacity() - self.table.len() < additional
+    }
+
     /// Makes room for `additional` new blocks. Call only where every entry is in place; when the
     /// table must grow, it is rebuilt from `nodes` at least twice as large (as a hash table
     /// grows), or at its size when removals left its free slots as tombstones, but never more
@@ -176,18 +181,6 @@ impl BlockTable {
         for &h in hashes {
             std::hint::black_box(self.get(nodes, h));
         }
-    }
-
-    /// Records block `hash`, not in the table, at `loc` (already written into its node).
-    #[inline]
-    pub fn insert_new(&mut self, nodes: &[Node], hash: u64, loc: Loc) {
-        debug_assert_eq!(hash_at(nodes, loc), Some(hash));
-        let hasher = &self.hasher;
-        // Without a `reserve` first this may grow the table by rehashing its entries, each
-        // read from its node (every entry already inserted is in place).
-        self.table.insert_unique(self.hasher.hash_one(hash), Slot::new(hash, loc), |&s| {
-            hasher.hash_one(hash_of(nodes, s))
-        });
     }
 
     /// Records block `hash` at `loc` (already written into its node) unless a block with that
@@ -361,7 +354,7 @@ mod tests {
             let base = nodes[1].hashes.len();
             nodes[1].hashes.extend_from_slice(&new);
             for (j, &h) in new.iter().enumerate() {
-                table.insert_new(&nodes, h, loc(1, (base + j) as u32));
+                assert!(table.insert_absent(&nodes, h, loc(1, (base + j) as u32)));
             }
             assert!(room >= new.len(), "reserve made room for the store");
         }
@@ -374,7 +367,7 @@ mod tests {
         let hashes: Vec<u64> = (0..500).map(|i| i * 31 + 5).collect();
         let nodes = vec![Node::default(), node(&hashes)];
         for (j, &h) in hashes.iter().enumerate() {
-            table.insert_new(&nodes, h, loc(1, j as u32));
+            assert!(table.insert_absent(&nodes, h, loc(1, j as u32)));
         }
         assert!(hashes
             .iter()
@@ -390,7 +383,7 @@ mod tests {
         nodes.push(node(&new));
         let id = (nodes.len() - 1) as u32;
         for (j, &h) in new.iter().enumerate() {
-            table.insert_new(nodes, h, loc(id, j as u32));
+            assert!(table.insert_absent(nodes, h, loc(id, j as u32)));
         }
         let gone = std::mem::take(&mut nodes[id as usize]);
         for (j, &h) in gone.hashes.iter().enumerate() {

@@ -11,11 +11,16 @@
 //! valid only while the index still holds their first block; those left behind by blocks the
 //! index dropped (evictions, cleared workers) are swept when they outnumber live blocks.
 //!
-//! The shared tables are split by key into [`SHARDS`] tables, so that a sweep visits a few of
-//! them at a time, under one hold of the index's lock each, rather than millions of entries at
-//! once (15 ms for a million, every match waiting).
+//! The shared tables are split into [`SHARDS`] tables by the key's hash, so that a sweep visits
+//! a few of them at a time, under one hold of the index's lock each, rather than millions of
+//! entries at once (15 ms for a million, every match waiting). Each key is hashed once, by the
+//! map's own seeded hasher, and that hash picks the shard and probes it (for an event's warming
+//! lookup and its insert alike).
 
-use hashbrown::HashMap;
+use std::hash::BuildHasher;
+
+use hashbrown::hash_table::Entry;
+use hashbrown::{DefaultHashBuilder, HashMap, HashTable};
 
 use super::tree::{Tree, WorkerId};
 
@@ -31,107 +36,127 @@ const SHARDS: usize = 256;
 /// Entries a sweep step visits at most (about 0.3 ms: a block-table lookup each).
 const SWEEP_STEP: usize = 4096;
 
-/// A map from engine hashes split into [`SHARDS`] tables by key.
+/// Engine blocks of an event hashed and looked up ahead of their inserts at a time (the hashes
+/// kept on the stack between the two).
+const WARM_CHUNK: usize = 64;
+
+/// A map from engine hashes split into [`SHARDS`] tables by the key's hash (computed by the
+/// caller, [`EngineMap::hash`]).
 #[derive(Debug, Clone)]
 struct Sharded<V> {
     tables: Box<[Shard<V>]>,
     len: usize,
 }
 
-/// One shard's table, its header (40 bytes: the table's pointer, mask and counts, and its
-/// hasher's seed) alone on a cache line: every block stored reads the header of a shard chosen
-/// by its hash, and packed at 40 bytes three headers in eight straddled two lines.
+/// One shard's table, its header (32 bytes: the table's pointer, mask and counts) within one
+/// cache line: every block stored reads the header of a shard chosen by its hash, and a header
+/// straddling two lines would cost two.
 #[derive(Debug, Clone, Default)]
-#[repr(align(64))]
-struct Shard<V>(HashMap<u64, V>);
-
-impl<V> std::ops::Deref for Shard<V> {
-    type Target = HashMap<u64, V>;
-
-    fn deref(&self) -> &HashMap<u64, V> {
-        &self.0
-    }
-}
-
-impl<V> std::ops::DerefMut for Shard<V> {
-    fn deref_mut(&mut self) -> &mut HashMap<u64, V> {
-        &mut self.0
-    }
-}
+#[repr(align(32))]
+struct Shard<V>(HashTable<(u64, V)>);
 
 impl<V> Default for Sharded<V> {
     fn default() -> Self {
-        Sharded { tables: (0..SHARDS).map(|_| Shard(HashMap::new())).collect(), len: 0 }
+        Sharded { tables: (0..SHARDS).map(|_| Shard(HashTable::new())).collect(), len: 0 }
     }
 }
 
 impl<V: Copy> Sharded<V> {
-    /// The shard of `key`: its top bits once mixed (engine hashes in tests are small integers).
-    fn shard(key: u64) -> usize {
-        const { assert!(SHARDS.is_power_of_two() && SHARDS > 1) };
-        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SHARDS.trailing_zeros())) as usize
+    /// The shard of a key of hash `hash`: bits the tables do not use (hashbrown takes a
+    /// bucket from the low bits and a tag from the top seven), so a shard's keys spread over
+    /// its buckets and tags.
+    fn shard(hash: u64) -> usize {
+        const { assert!(SHARDS.is_power_of_two() && SHARDS > 1 && SHARDS <= 1 << 16) };
+        (hash >> 32) as usize & (SHARDS - 1)
     }
 
-    fn table(&self, key: u64) -> &HashMap<u64, V> {
-        &self.tables[Self::shard(key)]
+    fn table(&self, hash: u64) -> &HashTable<(u64, V)> {
+        &self.tables[Self::shard(hash)].0
     }
 
-    fn get(&self, key: u64) -> Option<&V> {
-        self.table(key).get(&key)
+    fn get(&self, hash: u64, key: u64) -> Option<&V> {
+        self.table(hash).find(hash, |e| e.0 == key).map(|e| &e.1)
     }
 
-    fn insert(&mut self, key: u64, value: V) {
-        if self.tables[Self::shard(key)].insert(key, value).is_none() {
-            self.len += 1;
+    fn insert(&mut self, hash: u64, key: u64, value: V, hasher: &DefaultHashBuilder) {
+        let table = &mut self.tables[Self::shard(hash)].0;
+        match table.entry(hash, |e| e.0 == key, |e| hasher.hash_one(e.0)) {
+            Entry::Vacant(v) => {
+                v.insert((key, value));
+                self.len += 1;
+            }
+            Entry::Occupied(mut o) => o.get_mut().1 = value,
         }
     }
 
     /// Inserts `value` under `key` if absent; else returns the value there.
-    fn insert_new(&mut self, key: u64, value: V) -> Option<V> {
-        match self.tables[Self::shard(key)].entry(key) {
-            hashbrown::hash_map::Entry::Vacant(v) => {
-                v.insert(value);
+    fn insert_new(
+        &mut self,
+        hash: u64,
+        key: u64,
+        value: V,
+        hasher: &DefaultHashBuilder,
+    ) -> Option<V> {
+        let table = &mut self.tables[Self::shard(hash)].0;
+        match table.entry(hash, |e| e.0 == key, |e| hasher.hash_one(e.0)) {
+            Entry::Vacant(v) => {
+                v.insert((key, value));
                 self.len += 1;
                 None
             }
-            hashbrown::hash_map::Entry::Occupied(o) => Some(*o.get()),
+            Entry::Occupied(o) => Some(o.get().1),
         }
     }
 
-    fn remove(&mut self, key: u64) {
-        if self.tables[Self::shard(key)].remove(&key).is_some() {
+    fn remove(&mut self, hash: u64, key: u64) {
+        let table = &mut self.tables[Self::shard(hash)].0;
+        if let Ok(o) = table.find_entry(hash, |e| e.0 == key) {
+            o.remove();
             self.len -= 1;
         }
     }
 
     /// Keeps shard `i`'s entries that `keep` accepts. Returns the entries visited.
     fn retain_shard(&mut self, i: usize, mut keep: impl FnMut(&V) -> bool) -> usize {
-        let table = &mut self.tables[i];
+        let table = &mut self.tables[i].0;
         let before = table.len();
-        table.retain(|_, v| keep(v));
+        table.retain(|e| keep(&e.1));
         self.len -= before - table.len();
         before
     }
 
-    fn iter(&self) -> impl Iterator<Item = (&u64, &V)> {
-        self.tables.iter().flat_map(|t| t.iter())
+    fn iter(&self) -> impl Iterator<Item = &(u64, V)> {
+        self.tables.iter().flat_map(|t| t.0.iter())
     }
 
     fn bytes(&self) -> u64 {
-        self.tables.iter().map(|t| table_bytes(t)).sum()
+        self.tables.iter().map(|t| capacity_bytes::<(u64, V)>(t.0.capacity())).sum()
     }
 
     fn fitted_bytes(&self) -> u64 {
-        self.tables.iter().map(|t| fitted(t)).sum()
+        self.tables.iter().map(|t| fitted_shard(&t.0)).sum()
     }
 
-    fn fit(&mut self) {
-        self.tables.iter_mut().for_each(|t| fit(t));
+    fn fit(&mut self, hasher: &DefaultHashBuilder) {
+        for t in self.tables.iter_mut() {
+            let table = &mut t.0;
+            if fitted_table_bytes::<(u64, V)>(table.len())
+                < capacity_bytes::<(u64, V)>(table.capacity())
+            {
+                table.shrink_to_fit(|e| hasher.hash_one(e.0));
+            }
+        }
     }
+}
+
+fn fitted_shard<V>(table: &HashTable<(u64, V)>) -> u64 {
+    capacity_bytes::<(u64, V)>(table.capacity()).min(fitted_table_bytes::<(u64, V)>(table.len()))
 }
 
 #[derive(Debug, Clone, Default)]
 pub(crate) struct EngineMap {
+    /// Hashes the engine hashes for both shared maps (seeded per map, as hashbrown's own).
+    hasher: DefaultHashBuilder,
     one: Sharded<u64>,
     span: Sharded<Span>,
     /// Per worker, entries that differ from the shared one for the same engine hash.
@@ -158,10 +183,16 @@ impl EngineMap {
         }
     }
 
-    fn shared(&self, engine: u64) -> Option<Span> {
-        match self.one.get(engine) {
+    /// The hash of engine hash `engine` in the shared maps.
+    #[inline]
+    fn hash(&self, engine: u64) -> u64 {
+        self.hasher.hash_one(engine)
+    }
+
+    fn shared(&self, hash: u64, engine: u64) -> Option<Span> {
+        match self.one.get(hash, engine) {
             Some(&b) => Some((b, b, 1)),
-            None => self.span.get(engine).copied(),
+            None => self.span.get(hash, engine).copied(),
         }
     }
 
@@ -172,16 +203,41 @@ impl EngineMap {
                 return Some(s);
             }
         }
-        self.shared(engine)
+        self.shared(self.hash(engine), engine)
     }
 
-    /// Looks up every one of `engines` in the shared table before they are inserted: the
-    /// lookups do not depend on each other, so the processor overlaps their cache misses (one
-    /// per block in a table of millions), which the inserts, each writing the table, would
-    /// take one after another.
-    pub fn warm(&self, engines: &[u64]) {
-        for &engine in engines {
-            std::hint::black_box(self.one.get(engine));
+    /// Records that worker `w`'s engine blocks `engines` became the index blocks `ours`,
+    /// `per_engine_block` of them each, in order; pushes onto `replaced` what `w`'s lookups
+    /// gave before where that was other blocks (see [`Self::insert`]).
+    ///
+    /// Each key is hashed once, and a chunk of them is looked up in the shared table before
+    /// any of them is inserted: the lookups do not depend on each other, so the processor
+    /// overlaps their cache misses (one per block in a table of millions), which the inserts,
+    /// each writing the table, would take one after another.
+    pub fn insert_event(
+        &mut self,
+        w: WorkerId,
+        engines: &[u64],
+        ours: &[u64],
+        per_engine_block: usize,
+        replaced: &mut Vec<Span>,
+    ) {
+        debug_assert_eq!(ours.len(), engines.len() * per_engine_block);
+        self.ensure_worker(w);
+        let mut hashes = [0u64; WARM_CHUNK];
+        for (c, chunk) in engines.chunks(WARM_CHUNK).enumerate() {
+            for (h, &engine) in hashes.iter_mut().zip(chunk) {
+                *h = self.hash(engine);
+                std::hint::black_box(self.one.get(*h, engine));
+            }
+            for (j, (&hash, &engine)) in hashes.iter().zip(chunk).enumerate() {
+                let i = c * WARM_CHUNK + j;
+                let span = &ours[i * per_engine_block..(i + 1) * per_engine_block];
+                let span = (span[0], span[span.len() - 1], span.len() as u32);
+                if let Some(old) = self.insert_hashed(w, hash, engine, span) {
+                    replaced.push(old);
+                }
+            }
         }
     }
 
@@ -190,27 +246,33 @@ impl EngineMap {
     /// hash again with other content): the caller releases them.
     pub fn insert(&mut self, w: WorkerId, engine: u64, span: Span) -> Option<Span> {
         self.ensure_worker(w);
+        self.insert_hashed(w, self.hash(engine), engine, span)
+    }
+
+    /// [`Self::insert`] of `engine` of hash `hash`, for a worker `w` already ensured.
+    #[inline]
+    fn insert_hashed(&mut self, w: WorkerId, hash: u64, engine: u64, span: Span) -> Option<Span> {
         // `span.len` first: with engine blocks the size of the index's (no spans at all), that
         // spares every insert a read of the span shard's header, another cache line.
         if span.2 == 1
             && span.0 == span.1
-            && (self.span.len == 0 || self.span.table(engine).is_empty())
+            && (self.span.len == 0 || self.span.table(hash).is_empty())
         {
             // The common case (engine and index blocks alike): one probe of one table.
-            match self.one.insert_new(engine, span.0) {
+            match self.one.insert_new(hash, engine, span.0, &self.hasher) {
                 None => return self.take_own(w, engine, span),
                 Some(first) if first == span.0 => return self.take_own(w, engine, span),
                 Some(_) => {}
             }
         }
-        let previous = match self.shared(engine) {
+        let previous = match self.shared(hash, engine) {
             Some(s) if s == span => self.own[w as usize].remove(&engine),
             Some(s) => self.own[w as usize].insert(engine, span).or(Some(s)),
             None => {
                 if span.2 == 1 && span.0 == span.1 {
-                    self.one.insert(engine, span.0);
+                    self.one.insert(hash, engine, span.0, &self.hasher);
                 } else {
-                    self.span.insert(engine, span);
+                    self.span.insert(hash, engine, span, &self.hasher);
                 }
                 self.own[w as usize].remove(&engine)
             }
@@ -220,11 +282,18 @@ impl EngineMap {
 
     /// Removes `w`'s own entry for `engine` now that the shared one is `span`; returns it if it
     /// was other blocks.
+    #[inline(always)]
     fn take_own(&mut self, w: WorkerId, engine: u64, span: Span) -> Option<Span> {
         let own = &mut self.own[w as usize];
         if own.is_empty() {
+            // Most workers have no entries of their own: the check alone, inlined.
             return None;
         }
+        Self::take_own_entry(own, engine, span)
+    }
+
+    #[inline(never)]
+    fn take_own_entry(own: &mut OwnEntries, engine: u64, span: Span) -> Option<Span> {
         own.remove(&engine).filter(|&p| p != span)
     }
 
@@ -236,10 +305,11 @@ impl EngineMap {
                 return;
             }
         }
-        if let Some((first, _, _)) = self.shared(engine) {
+        let hash = self.hash(engine);
+        if let Some((first, _, _)) = self.shared(hash, engine) {
             if !tree.blocks.contains(&tree.nodes, first) {
-                self.one.remove(engine);
-                self.span.remove(engine);
+                self.one.remove(hash, engine);
+                self.span.remove(hash, engine);
             }
         }
     }
@@ -275,7 +345,7 @@ impl EngineMap {
             self.pass_left -= 1;
             visited += self.one.retain_shard(i, |&b| tree.blocks.contains(&tree.nodes, b));
             visited += self.span.retain_shard(i, |s| tree.blocks.contains(&tree.nodes, s.0));
-            self.pass_kept += self.one.tables[i].len() + self.span.tables[i].len();
+            self.pass_kept += self.one.tables[i].0.len() + self.span.tables[i].0.len();
         }
         #[cfg(test)]
         {
@@ -306,8 +376,8 @@ impl EngineMap {
     /// Shrinks the tables that removals left larger than their entries need (a table never
     /// shrinks by itself).
     pub fn fit(&mut self) {
-        self.one.fit();
-        self.span.fit();
+        self.one.fit(&self.hasher);
+        self.span.fit(&self.hasher);
         self.own.iter_mut().for_each(fit);
     }
 
@@ -319,11 +389,7 @@ impl EngineMap {
             .map(|m| m.iter().map(|(&e, &s)| (e, s)).collect())
             .unwrap_or_default();
         let own = self.own.get(w as usize);
-        let shared = self
-            .one
-            .iter()
-            .map(|(&e, &b)| (e, (b, b, 1)))
-            .chain(self.span.iter().map(|(&e, &s)| (e, s)));
+        let shared = self.one.iter().map(|&(e, b)| (e, (b, b, 1))).chain(self.span.iter().copied());
         for (e, s) in shared {
             if own.is_some_and(|m| m.contains_key(&e)) {
                 continue;
@@ -367,10 +433,14 @@ fn fitted<V>(map: &HashMap<u64, V>) -> u64 {
 /// control bytes. From the capacity rather than the length: a table never shrinks by itself, so
 /// what it holds is what the process holds.
 pub(crate) fn table_bytes<K, V>(map: &HashMap<K, V>) -> u64 {
-    let capacity = map.capacity();
+    capacity_bytes::<(K, V)>(map.capacity())
+}
+
+/// [`table_bytes`] of a table of `T` of capacity `capacity`.
+fn capacity_bytes<T>(capacity: usize) -> u64 {
     if capacity == 0 {
         return 0;
     }
     let buckets = if capacity < 8 { capacity + 1 } else { capacity / 7 * 8 };
-    (buckets * (std::mem::size_of::<(K, V)>() + 1) + 16) as u64
+    (buckets * (std::mem::size_of::<T>() + 1) + 16) as u64
 }

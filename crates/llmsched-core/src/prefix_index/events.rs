@@ -165,16 +165,8 @@ fn store_chain(
             return;
         }
     }
-    let map = &mut st.workers.engine;
-    map.warm(&ev.block_hashes);
     let mut replaced = Vec::new();
-    for (i, &engine_hash) in ev.block_hashes.iter().enumerate() {
-        let span = &ours[i * per_engine_block..(i + 1) * per_engine_block];
-        let span = (span[0], span[span.len() - 1], span.len() as u32);
-        if let Some(old) = map.insert(w, engine_hash, span) {
-            replaced.push(old);
-        }
-    }
+    st.workers.engine.insert_event(w, &ev.block_hashes, ours, per_engine_block, &mut replaced);
     report.blocks_stored += ev.block_hashes.len() as u64;
     if !replaced.is_empty() {
         release_replaced(st, w, &replaced, ours, report);

@@ -22,12 +22,17 @@ fn payload(event: Value) -> Vec<u8> {
 
 /// `BlockStored`: engine blocks `hashes` holding `tokens` (engine block size 1), after `parent`.
 fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u64]) -> Vec<u8> {
+    stored_sized(hashes, parent, tokens, 1)
+}
+
+/// [`stored`] of engine blocks of `engine_bs` tokens each.
+fn stored_sized(hashes: &[u64], parent: Option<u64>, tokens: &[u64], engine_bs: u32) -> Vec<u8> {
     payload(Value::Array(vec![
         Value::from("BlockStored"),
         Value::Array(hashes.iter().map(|&h| Value::from(h)).collect()),
         parent.map_or(Value::Nil, Value::from),
         Value::Array(tokens.iter().map(|&t| Value::from(t)).collect()),
-        Value::from(1),
+        Value::from(engine_bs),
         Value::Nil,
         Value::from("GPU"),
     ]))
@@ -138,4 +143,52 @@ fn a_shared_entry_made_anew_is_not_shadowed_by_an_old_own_entry() {
     let report = index.apply_vllm_events(&V, &removed(&[7])).unwrap();
     assert_eq!(report.blocks_removed, 1);
     assert_eq!(index.stats().blocks, 0);
+}
+
+/// Engine hashes 1000.. for `n` blocks.
+fn engine_hashes(n: u64) -> Vec<u64> {
+    (1000..1000 + n).collect()
+}
+
+#[test]
+fn an_event_longer_than_a_warming_chunk_maps_every_engine_block() {
+    // 150 engine blocks: the engine map hashes and inserts them in chunks of 64, and each must
+    // map to its own index block (a removal drops that block and everything below it).
+    let index = index();
+    let tokens: Vec<u64> = (0..150).collect();
+    let report = index.apply_vllm_events(&W, &stored(&engine_hashes(150), None, &tokens)).unwrap();
+    assert_eq!(report.blocks_stored, 150);
+    // V's engine names the same hashes with other content: entries of V's own, past the
+    // first chunk too.
+    let other: Vec<u64> = (500..650).collect();
+    index.apply_vllm_events(&V, &stored(&engine_hashes(150), None, &other)).unwrap();
+    let report = index.apply_vllm_events(&V, &removed(&[1100])).unwrap();
+    assert_eq!(report.blocks_removed, 1);
+    assert_eq!((index.held_blocks(&W), index.held_blocks(&V)), (150, 100));
+    // W storing hash 1130 again with other content (after 1129) replaces blocks 130.. only.
+    let report = index.apply_vllm_events(&W, &stored(&[1130], Some(1129), &[9999])).unwrap();
+    assert_eq!((report.blocks_stored, report.replaced), (1, 1));
+    assert_eq!(index.held_blocks(&W), 131);
+    let report = index.apply_vllm_events(&W, &removed(&[1070])).unwrap();
+    assert_eq!(report.blocks_removed, 1);
+    assert_eq!(index.held_blocks(&W), 70);
+}
+
+#[test]
+fn engine_blocks_of_several_index_blocks_past_a_warming_chunk_keep_their_spans() {
+    // Engine blocks of 2 tokens over index blocks of 1: each engine hash names a span of two
+    // index blocks; 100 of them cross the 64-block chunk.
+    let index = index();
+    let tokens: Vec<u64> = (0..200).collect();
+    let payload = stored_sized(&engine_hashes(100), None, &tokens, 2);
+    let report = index.apply_vllm_events(&W, &payload).unwrap();
+    assert_eq!(report.blocks_stored, 100);
+    assert_eq!(index.held_blocks(&W), 200);
+    let report = index.apply_vllm_events(&W, &removed(&[1070])).unwrap();
+    assert_eq!(report.blocks_removed, 1);
+    assert_eq!(index.held_blocks(&W), 140);
+    // A chain continued after the last engine block left holds on from its last index block.
+    let report = index.apply_vllm_events(&W, &stored_sized(&[2000], Some(1069), &[7, 8], 2));
+    assert_eq!(report.unwrap().blocks_stored, 1);
+    assert_eq!(index.held_blocks(&W), 142);
 }

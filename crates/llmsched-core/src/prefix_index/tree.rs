@@ -97,14 +97,6 @@ enum Staged {
     Node(NodeId),
 }
 
-/// New runs longer than this are staged ([`Tree::stage`]); shorter ones (an engine event's)
-/// compare pairwise and cost a probe to check and one to record each.
-#[cfg(not(test))]
-const STAGE_MIN: usize = 32;
-/// The model tests store short chains: runs of five blocks or more take the staged path.
-#[cfg(test)]
-const STAGE_MIN: usize = 4;
-
 /// A node's recorded offsets ([`Node::base`] plus the edge's length) stay below this, where the
 /// block table tags its entries; appending past it renumbers the node from zero first.
 #[cfg(not(test))]
@@ -569,15 +561,14 @@ impl Tree {
         let start = self.start_pos(w, parent)?;
         let existing = self.existing_run(start, hashes);
         let new = &hashes[existing..];
-        let staged = if existing == 0 && !new.is_empty() && self.appends_at(start, w, attrs) {
+        // Either way one probe per new block both checks it and records it.
+        let staged = if new.is_empty() {
+            None
+        } else if existing == 0 && self.appends_at(start, w, attrs) {
             self.stage_onto(start.node, new)?;
             Some(Staged::Appended)
-        } else if new.len() > STAGE_MIN {
-            Some(Staged::Node(self.stage(new)?))
         } else {
-            self.check_new_hashes(new)?;
-            self.blocks.reserve(&self.nodes, new.len());
-            None
+            Some(Staged::Node(self.stage(new)?))
         };
         if hashes.is_empty() {
             return Ok(0);
@@ -588,7 +579,7 @@ impl Tree {
         touched.clear();
         let (mut pos, mut added) =
             self.hold_existing(w, start, &hashes[..existing], attrs, &mut touched);
-        if !new.is_empty() {
+        if let Some(staged) = staged {
             pos = self.add_new_run(w, pos, new, staged, attrs, &mut touched);
             added += new.len() as u64;
         }
@@ -633,20 +624,6 @@ impl Tree {
         hashes.len()
     }
 
-    /// A short run of new blocks (at most [`STAGE_MIN`]) must not exist elsewhere in the tree,
-    /// nor repeat: the input is not a chain.
-    fn check_new_hashes(&self, new: &[u64]) -> Result<(), StoreRefusal> {
-        debug_assert!(new.len() <= STAGE_MIN);
-        if let Some(&h) = new.iter().find(|&&h| self.blocks.contains(&self.nodes, h)) {
-            return Err(StoreRefusal::Conflict(h));
-        }
-        let repeated = new.iter().enumerate().find(|(i, h)| new[..*i].contains(h)).map(|(_, h)| *h);
-        match repeated {
-            Some(h) => Err(StoreRefusal::Conflict(h)),
-            None => Ok(()),
-        }
-    }
-
     /// Whether a run of new blocks right after `start` goes onto the end of `start`'s edge: the
     /// position ends a leaf that `w` alone holds with `attrs` (a worker extending its own
     /// sequence, the usual engine event), so [`Self::add_new_run`] appends there.
@@ -662,7 +639,7 @@ impl Tree {
     /// entries made are taken out and the edge cut back: the tree is as it was, but for a
     /// renumbering ([`Self::make_room_after`]) that moves no block.
     fn stage_onto(&mut self, at: NodeId, new: &[u64]) -> Result<(), StoreRefusal> {
-        self.blocks.reserve(&self.nodes, new.len());
+        self.reserve_new(new)?;
         self.blocks.warm(&self.nodes, new);
         let (first, recorded) = self.extend_edge(at, new);
         for (j, &h) in new.iter().enumerate() {
@@ -679,14 +656,14 @@ impl Tree {
         Ok(())
     }
 
-    /// Enters a long run of new blocks into the block table as the edge of a node of its own,
+    /// Enters a run of new blocks into the block table as the edge of a node of its own,
     /// not yet in the tree ([`Self::add_new_run`] links it in, or moves its blocks onto the end
     /// of a leaf). One probe per block both finds a block already in the tree or repeated in
     /// the run and records it, where checking first (a probe and a set insertion per block)
     /// then recording cost three. On a conflict the entries made are taken out and the node
     /// freed: the tree is as it was.
     fn stage(&mut self, new: &[u64]) -> Result<NodeId, StoreRefusal> {
-        self.blocks.reserve(&self.nodes, new.len());
+        self.reserve_new(new)?;
         self.blocks.warm(&self.nodes, new);
         let from_free = !self.free.is_empty();
         let node = self.alloc(Node { hashes: new.to_vec(), parent: DEAD, ..Node::default() });
@@ -706,6 +683,23 @@ impl Tree {
             return Err(StoreRefusal::Conflict(h));
         }
         Ok(node)
+    }
+
+    /// Makes room in the block table for the new blocks `new`. Where that grows the table (now
+    /// and then), they are first checked to be new, neither in the tree nor repeated, so that a
+    /// refused store leaves the table at its size (and the index's `bytes` as they were);
+    /// otherwise the inserts that record them find any conflict.
+    fn reserve_new(&mut self, new: &[u64]) -> Result<(), StoreRefusal> {
+        if self.blocks.must_grow(new.len()) {
+            let mut seen = hashbrown::HashSet::with_capacity(new.len());
+            if let Some(&h) =
+                new.iter().find(|&&h| self.blocks.contains(&self.nodes, h) || !seen.insert(h))
+            {
+                return Err(StoreRefusal::Conflict(h));
+            }
+        }
+        self.blocks.reserve(&self.nodes, new.len());
+        Ok(())
     }
 
     /// Gives `w` (with `attrs`) every block of the already-present run after `start`.
@@ -766,23 +760,20 @@ impl Tree {
         }
     }
 
-    /// Appends a run of new blocks after `pos`, held by `w` alone (`staged`: already in the block
-    /// table, see [`Staged`]). Returns the position after it.
+    /// Appends a run of new blocks after `pos`, held by `w` alone (`staged`: where it already
+    /// sits in the block table, see [`Staged`]). Returns the position after it.
     fn add_new_run(
         &mut self,
         w: WorkerId,
         pos: Pos,
         new: &[u64],
-        staged: Option<Staged>,
+        staged: Staged,
         attrs: Attrs,
         touched: &mut Vec<NodeId>,
     ) -> Pos {
-        let staged = match staged {
-            Some(Staged::Appended) => {
-                return Pos { node: pos.node, offset: pos.offset + new.len() };
-            }
-            Some(Staged::Node(s)) => Some(s),
-            None => None,
+        let s = match staged {
+            Staged::Appended => return Pos { node: pos.node, offset: pos.offset + new.len() },
+            Staged::Node(s) => s,
         };
         let mut at = pos.node;
         if pos.offset < self.nodes[at as usize].hashes.len() {
@@ -790,37 +781,21 @@ impl Tree {
             touched.push(at);
         }
         if self.can_append(at, w, attrs) {
+            // The worker re-stored blocks ending its own leaf before the new ones (rare: a
+            // probe more per block, moving them from the staged node).
             let (first, recorded) = self.extend_edge(at, new);
             for (j, &h) in new.iter().enumerate() {
                 let loc = Loc { node: at, offset: recorded + j as u32 };
-                match staged {
-                    Some(s) => self.blocks.relocate(h, Loc { node: s, offset: j as u32 }, loc),
-                    None => self.blocks.insert_new(&self.nodes, h, loc),
-                }
+                self.blocks.relocate(h, Loc { node: s, offset: j as u32 }, loc);
             }
-            if let Some(s) = staged {
-                self.nodes[s as usize] = Node { parent: DEAD, ..Node::default() };
-                self.free.push(s);
-            }
+            self.nodes[s as usize] = Node { parent: DEAD, ..Node::default() };
+            self.free.push(s);
             return Pos { node: at, offset: first + new.len() };
         }
-        let child = match staged {
-            Some(s) => {
-                self.nodes[s as usize].parent = at;
-                s
-            }
-            None => {
-                let child =
-                    self.alloc(Node { hashes: new.to_vec(), parent: at, ..Node::default() });
-                for (j, &h) in new.iter().enumerate() {
-                    self.blocks.insert_new(&self.nodes, h, Loc { node: child, offset: j as u32 });
-                }
-                child
-            }
-        };
-        self.nodes[at as usize].children.insert(new[0], child);
-        self.add_holder(w, child, attrs);
-        Pos { node: child, offset: new.len() }
+        self.nodes[s as usize].parent = at;
+        self.nodes[at as usize].children.insert(new[0], s);
+        self.add_holder(w, s, attrs);
+        Pos { node: s, offset: new.len() }
     }
 
     /// Appends `new` to `node`'s edge (renumbering it first where needed) before their

@@ -92,11 +92,13 @@ fn a_staged_run_that_conflicts_leaves_the_tree_as_it_was() {
     t.store(1, &c[2], None, HELD).unwrap();
     let before = shape(&t);
     let nodes = t.nodes.len();
-    // Long enough to be staged: a block of another chain, then a block repeated.
+    // Staged as a node of its own (a new child: the leaf is not worker 0's alone), long or
+    // short: a block of another chain, then a block repeated.
     let elsewhere: Vec<u64> = c[1][5..].iter().copied().chain([c[2][3]]).collect();
     let repeated: Vec<u64> = c[1][5..].iter().copied().chain([c[1][6]]).collect();
-    for run in [&elsewhere, &repeated] {
-        assert!(run.len() - 1 > STAGE_MIN);
+    let short_elsewhere = vec![c[1][5], c[2][3]];
+    let short_repeated = vec![c[1][5], c[1][6], c[1][5]];
+    for run in [&elsewhere, &repeated, &short_elsewhere, &short_repeated] {
         let err = t.store(0, run, Some(c[1][4]), HELD).unwrap_err();
         assert_eq!(err, StoreRefusal::Conflict(run[run.len() - 1]));
         assert_eq!((shape(&t), t.nodes.len()), (before.clone(), nodes));
@@ -108,6 +110,48 @@ fn a_staged_run_that_conflicts_leaves_the_tree_as_it_was() {
     let run: Vec<u64> = c[1][5..].iter().copied().chain([c[0][0]]).collect();
     assert!(t.store(0, &run, Some(c[1][4]), HELD).is_err());
     assert_eq!((shape(&t), &t.free), (before, &free));
+}
+
+#[test]
+fn a_refused_store_that_would_grow_the_block_table_leaves_it_its_size() {
+    let c = chains();
+    let mut t = Tree::new();
+    t.store(0, &c[0][..2], None, HELD).unwrap();
+    let (before, bytes) = (shape(&t), t.blocks.bytes());
+    // A short new child, a long one, and an append onto worker 0's own leaf, each conflicting
+    // (a block in the tree, or one repeated) and each needing the table to grow.
+    let long: Vec<u64> = c[2][5..].iter().copied().chain([c[0][0]]).collect();
+    let runs = [
+        (vec![c[1][7], c[0][1]], None),
+        (long, None),
+        (vec![c[0][5], c[0][6], c[0][5]], Some(c[0][1])),
+    ];
+    for (run, parent) in runs {
+        assert!(t.blocks.must_grow(run.len()));
+        let err = t.store(0, &run, parent, HELD).unwrap_err();
+        assert_eq!(err, StoreRefusal::Conflict(run[run.len() - 1]));
+        assert_eq!((shape(&t), t.blocks.bytes()), (before.clone(), bytes));
+    }
+}
+
+#[test]
+fn a_short_run_after_blocks_restored_on_a_leaf_held_alone_extends_it() {
+    // Worker 0 reports blocks it holds again with two new ones after them: the new run is
+    // staged as a node (its position is known only once the held run is walked), then moved
+    // onto the end of the leaf.
+    let c = chains();
+    let mut t = Tree::new();
+    t.store(0, &c[0][..3], None, HELD).unwrap();
+    assert_eq!(t.store(0, &c[0][..5], None, HELD).unwrap(), 2);
+    let node = t.blocks.get(&t.nodes, c[0][0]).unwrap().node;
+    assert_eq!(t.nodes[node as usize].hashes, c[0][..5], "one edge, grown in place");
+    assert_eq!(t.live_nodes(), 1);
+    shape(&t);
+    // And the same run stored by another worker becomes a child of its own.
+    assert_eq!(t.store(1, &c[0][..3], None, HELD).unwrap(), 3);
+    assert_eq!(t.store(1, &[c[0][0], c[0][1], c[0][2], c[1][8]], None, HELD).unwrap(), 1);
+    assert_eq!(t.blocks.get(&t.nodes, c[1][8]).unwrap().offset, 0);
+    shape(&t);
 }
 
 #[test]
