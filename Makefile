@@ -104,9 +104,12 @@ TEST_RUST_PREFIX ?=
 # What test-rust builds first: `make test` names the harness here, so that its Rust half builds it
 # (niced, beside pytest) before tests/test_gateway_stall.py needs the fake engines.
 TEST_RUST_AFTER ?=
+# The API docs are built with clippy's settings (release, all features): rustdoc needs only the
+# dependencies' metadata, which clippy's check of the same profile and features has left in
+# target/release (CI runs clippy first), where the dev profile's would be a check of its own.
 test-rust: $(TEST_RUST_AFTER) ## Run the Rust tests of every crate, doc-tests included (no Python needed)
 	$(TEST_RUST_PREFIX) cargo test --workspace
-	RUSTDOCFLAGS="-D warnings" $(TEST_RUST_PREFIX) cargo doc --workspace --no-deps -q
+	RUSTDOCFLAGS="-D warnings" $(TEST_RUST_PREFIX) cargo doc --release --all-features --workspace --no-deps -q
 
 # The core install test takes the wheel from dist/ when `make wheel` left a current one there,
 # rather than building its own.
@@ -248,10 +251,12 @@ fmt: $(VENV)/.deps ## Format Rust and Python sources
 
 # The standalone gateway binary is only run beside the peers, so it is built only where they are
 # installed (its link-time optimisation takes minutes). --durations shows where the pass goes.
+# Three rounds at least and 0.1 s per figure: the pure-Python twins take seconds a round, and
+# this pass is a short one (`make bench-rust`, `make bench-peers` and the tools take figures).
 bench: build ## A short pass of the benchmarks, each figure beside its pure-Python twin's
 	cargo build --release -p llmsched-bench $(if $(wildcard $(PEERS_VENV)/.deps),-p llmsched-gateway)
-	$(PY) -m pytest benches -q -p no:cacheprovider --durations=15 --benchmark-enable --benchmark-min-rounds=5 \
-		--benchmark-max-time=0.2 --benchmark-warmup=on --benchmark-columns=min,median,ops,rounds \
+	$(PY) -m pytest benches -q -p no:cacheprovider --durations=15 --benchmark-enable --benchmark-min-rounds=3 \
+		--benchmark-max-time=0.1 --benchmark-warmup=on --benchmark-columns=min,median,ops,rounds \
 		--benchmark-group-by=group --benchmark-sort=name
 
 # llmsched's prefix index beside NVIDIA Dynamo's radix tree (ai-dynamo-runtime, installed into
