@@ -19,13 +19,14 @@ import argparse
 import base64
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import zipfile
 from pathlib import Path
+
+from wheel_check import tool  # tools/ is this script's directory, first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "python"
@@ -92,9 +93,20 @@ def editable_wheel(wheel: zipfile.ZipFile, out_dir: Path) -> Path:
 def install(path: Path) -> None:
     """Installs ``path`` into this interpreter's environment with uv (no dependencies: the
     venv has them)."""
-    uv = Path(sys.executable).parent / "uv"
-    command = [str(uv) if uv.exists() else (shutil.which("uv") or "uv")]
-    command += ["pip", "install", "-q", "--no-deps", "--reinstall", "-p", sys.executable, str(path)]
+    uv = tool("uv")
+    if uv is None:
+        raise DevelopFailed("uv is not installed (`make venv` installs it)")
+    command = [
+        uv,
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--reinstall",
+        "-p",
+        sys.executable,
+        str(path),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise DevelopFailed(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr}")
