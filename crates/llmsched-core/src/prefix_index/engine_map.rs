@@ -140,9 +140,7 @@ impl<V: Copy> Sharded<V> {
     fn fit(&mut self, hasher: &DefaultHashBuilder) {
         for t in self.tables.iter_mut() {
             let table = &mut t.0;
-            if fitted_table_bytes::<(u64, V)>(table.len())
-                < capacity_bytes::<(u64, V)>(table.capacity())
-            {
+            if shrinks::<(u64, V)>(table.capacity(), table.len()) {
                 table.shrink_to_fit(|e| hasher.hash_one(e.0));
             }
         }
@@ -150,7 +148,7 @@ impl<V: Copy> Sharded<V> {
 }
 
 fn fitted_shard<V>(table: &HashTable<(u64, V)>) -> u64 {
-    capacity_bytes::<(u64, V)>(table.capacity()).min(fitted_table_bytes::<(u64, V)>(table.len()))
+    fitted_size::<(u64, V)>(table.capacity(), table.len())
 }
 
 #[derive(Debug, Clone, Default)]
@@ -419,13 +417,23 @@ pub(crate) fn fitted_table_bytes<T>(len: usize) -> u64 {
 }
 
 fn fit<V>(map: &mut HashMap<u64, V>) {
-    if fitted_table_bytes::<(u64, V)>(map.len()) < table_bytes(map) {
+    if shrinks::<(u64, V)>(map.capacity(), map.len()) {
         map.shrink_to_fit();
     }
 }
 
 fn fitted<V>(map: &HashMap<u64, V>) -> u64 {
-    table_bytes(map).min(fitted_table_bytes::<(u64, V)>(map.len()))
+    fitted_size::<(u64, V)>(map.capacity(), map.len())
+}
+
+/// Whether a table of `T` of capacity `capacity` holding `len` entries would shrink if fitted.
+fn shrinks<T>(capacity: usize, len: usize) -> bool {
+    fitted_table_bytes::<T>(len) < capacity_bytes::<T>(capacity)
+}
+
+/// The bytes of a table of `T` of capacity `capacity` holding `len` entries once fitted.
+fn fitted_size<T>(capacity: usize, len: usize) -> u64 {
+    capacity_bytes::<T>(capacity).min(fitted_table_bytes::<T>(len))
 }
 
 /// Heap bytes of a hashbrown table as allocated: a bucket and a control byte per slot of its
