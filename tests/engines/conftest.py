@@ -22,9 +22,9 @@ from .vllm_engine import (
     STARTUP_CAP_S,
     VllmEngine,
     machine_factor,
-    make_tiny_model,
     start_engines,
 )
+from .vllm_interpreter import VllmInterpreter
 
 _HERE = Path(__file__).parent
 # The first setup failure of the shared engines (or their model), and the startup time.
@@ -56,10 +56,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random model and tokenizer, made once per session."""
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, vllm_interpreter: VllmInterpreter) -> Path:
+    """The tiny random model and tokenizer, made once per session (in the shared vLLM
+    interpreter, which has torch and transformers loaded once for every job)."""
+    out = tmp_path_factory.mktemp("tiny-model")
     try:
-        return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+        vllm_interpreter.run_script(_HERE / "make_tiny_model.py", [str(out), "--seed", "0"])
+        return out
     except BaseException as err:
         _failed.append(f"making the tiny model: {type(err).__name__}")
         raise
@@ -83,3 +86,12 @@ def engines(
     yield pair
     for engine in pair:
         engine.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_interpreter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmInterpreter]:
+    """The vLLM environment's interpreter, shared by the checks against vLLM's own code (vLLM
+    imported once rather than once per check)."""
+    interpreter = VllmInterpreter(tmp_path_factory.mktemp("vllm-interpreter") / "stderr.log")
+    yield interpreter
+    interpreter.close()

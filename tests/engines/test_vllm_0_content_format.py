@@ -1,10 +1,9 @@
 """The gateway's chat template content format against vLLM's own detection (no engine
-started: vLLM's renderer module is imported in its environment)."""
+started: vLLM's renderer module is imported in its environment, by the shared
+``vllm_interpreter``)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,30 +11,24 @@ from llmsched import _llmsched
 from llmsched.testing.openai_engine import write_tokenizer
 from llmsched.tokenize import PromptTokenizer
 
-from .vllm_engine import vllm_python
+from .vllm_interpreter import VllmInterpreter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_tokenize_native import CONTENT_FORMATS
 
 DETECT = """
-import json, sys
 from vllm.renderers.hf import _detect_content_format
-templates = json.load(sys.stdin)
-print(json.dumps({k: _detect_content_format(t, default="string") for k, t in templates.items()}))
+
+def main(templates):
+    return {k: _detect_content_format(t, default="string") for k, t in templates.items()}
 """
 
 
-def test_content_formats_equal_vllms_detection(tmp_path: Path) -> None:
+def test_content_formats_equal_vllms_detection(
+    tmp_path: Path, vllm_interpreter: VllmInterpreter
+) -> None:
     templates = {name: template for name, (template, _) in CONTENT_FORMATS.items()}
-    done = subprocess.run(
-        [str(vllm_python()), "-c", DETECT],
-        input=json.dumps(templates),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    vllm = json.loads(done.stdout.strip().splitlines()[-1])
+    vllm = vllm_interpreter.run("content formats", DETECT, templates)
     for name, template in templates.items():
         directory = write_tokenizer(tmp_path / name, chat_template=template)
         native = _llmsched.NativePromptTokenizer(str(directory)).content_format

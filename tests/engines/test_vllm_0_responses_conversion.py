@@ -1,24 +1,22 @@
 """The chat request the gateway makes of a ``POST /v1/responses`` body (``chat_request_of``)
 against vLLM's own conversion (no engine started: vLLM's modules are imported in its
-environment). vLLM turns the body into messages, tools and template kwargs; the gateway's
-chat request must give the same ones through vLLM's chat path, or its blocks miss the
-engine's cache (probe 65: reasoning items, custom and namespaced tools were not covered)."""
+environment, by the shared ``vllm_interpreter``). vLLM turns the body into messages, tools and
+template kwargs; the gateway's chat request must give the same ones through vLLM's chat path,
+or its blocks miss the engine's cache (probe 65: reasoning items, custom and namespaced tools
+were not covered)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from typing import Any
 
 from llmsched.gateway.responses import chat_request_of
 
-from .vllm_engine import vllm_python
+from .vllm_interpreter import VllmInterpreter
 
 # What vLLM hands its chat template for each side: the conversation its chat parser makes of
 # the messages, the tools as its chat path dumps them, the template kwargs.
 COMPARE = """
-import json, sys, types, warnings
-warnings.filterwarnings("ignore")
+import json, types
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest, ChatCompletionToolsParam,
 )
@@ -57,10 +55,8 @@ def chat_side(chat):
     ).chat_template_kwargs
     return {"conversation": conversation(chat["messages"]), "tools": tools, "kwargs": dict(kwargs)}
 
-out = {}
-for name, (body, chat) in json.load(sys.stdin).items():
-    out[name] = [responses_side(body), chat_side(chat)]
-print(json.dumps(out))
+def main(pairs):
+    return {name: [responses_side(body), chat_side(chat)] for name, (body, chat) in pairs.items()}
 """
 
 USER = {"role": "user", "content": "question"}
@@ -196,21 +192,15 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def test_the_gateways_chat_request_renders_as_vllms_responses_conversion() -> None:
+def test_the_gateways_chat_request_renders_as_vllms_responses_conversion(
+    vllm_interpreter: VllmInterpreter,
+) -> None:
     pairs = {}
     for name, fields in CASES.items():
         body = {"model": "m", **fields}
         chat = chat_request_of(body)
         assert chat is not None, name
         pairs[name] = [body, chat]
-    done = subprocess.run(
-        [str(vllm_python()), "-c", COMPARE],
-        input=json.dumps(pairs),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    compared = json.loads(done.stdout.strip().splitlines()[-1])
+    compared = vllm_interpreter.run("responses conversion", COMPARE, pairs)
     for name, (vllm, gateway) in compared.items():
         assert gateway == vllm, name

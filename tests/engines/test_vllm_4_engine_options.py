@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -23,30 +22,25 @@ from .gateway_thread import GatewayThread, gateway_config
 from .vllm_engine import (
     BLOCK_SIZE,
     MODEL_NAME,
-    STARTUP_CAP_S,
     VllmEngine,
     scaled,
     start_engines,
-    vllm_python,
 )
+from .vllm_interpreter import VllmInterpreter
 
 ADAPTER = "sql"
 VOCAB = 512
 
 
-def make_lora_adapter(model_dir: Path, out: Path) -> Path:
-    script = Path(__file__).with_name("make_tiny_model.py")
-    command = [str(vllm_python()), str(script), str(out), "--lora-of", str(model_dir)]
-    done = subprocess.run(command, capture_output=True, timeout=STARTUP_CAP_S)
-    assert done.returncode == 0, done.stderr.decode(errors="replace")[-2000:]
-    return out
-
-
 @pytest.fixture(scope="module")
-def lora_engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
+def lora_engine(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, vllm_interpreter: VllmInterpreter
+) -> Iterator[VllmEngine]:
     """One engine serving the tiny model and a random LoRA adapter of it, with its own chat
     template and default template kwargs."""
-    adapter = make_lora_adapter(tiny_model, tmp_path_factory.mktemp("lora-adapter"))
+    adapter = tmp_path_factory.mktemp("lora-adapter")
+    script = Path(__file__).with_name("make_tiny_model.py")
+    vllm_interpreter.run_script(script, [str(adapter), "--lora-of", str(tiny_model)])
     logs = tmp_path_factory.mktemp("lora-engine-logs")
     template = logs / "template.jinja"
     template.write_text(KWARGS_TEMPLATE)
