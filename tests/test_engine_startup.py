@@ -13,15 +13,21 @@ from pathlib import Path
 import pytest
 from engines import vllm_engine
 from engines.vllm_engine import EngineStartupError, VllmEngine, start_engines
+from engines.vllm_interpreter import ANSWER
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A stand-in for the vLLM environment's interpreter: it makes the "tiny model" at once and
+# A stand-in for the vLLM environment's interpreter: it makes the "tiny model" at once, answers
+# every job sent to the shared interpreter (tests/engines/vllm_interpreter.py) as done, and
 # serves the engine per SCRIPT below (any of: lines with pauses, exit, /health).
 FAKE = """#!{python}
 import http.server, sys, time
 args = sys.argv[1:]
 if any(a.endswith("make_tiny_model.py") for a in args):
+    sys.exit(0)
+if args[:1] == ["-c"]:
+    for line in sys.stdin:
+        print({answer!r} + '{{"result": null}}', flush=True)
     sys.exit(0)
 port = int(args[args.index("--port") + 1])
 {body}
@@ -37,7 +43,7 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 
 def fake_interpreter(tmp_path: Path, body: str) -> Path:
     path = tmp_path / "fake-python"
-    path.write_text(FAKE.format(python=sys.executable, body=body))
+    path.write_text(FAKE.format(python=sys.executable, answer=ANSWER, body=body))
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path
 

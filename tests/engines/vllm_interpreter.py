@@ -13,6 +13,7 @@ starts with :data:`ANSWER` (vLLM and its dependencies may print on stdout while 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import threading
@@ -124,7 +125,9 @@ class VllmInterpreter:
     def close(self) -> None:
         """End the process (its stdin closed, then killed if it lingers)."""
         if self._process.stdin is not None:
-            self._process.stdin.close()
+            # A process that has ended leaves the pipe broken: what was left in it is moot.
+            with contextlib.suppress(BrokenPipeError):
+                self._process.stdin.close()
         try:
             self._process.wait(timeout=30)
         except subprocess.TimeoutExpired:
