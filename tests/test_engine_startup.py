@@ -17,14 +17,12 @@ from engines.vllm_interpreter import ANSWER
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A stand-in for the vLLM environment's interpreter: it makes the "tiny model" at once, answers
-# every job sent to the shared interpreter (tests/engines/vllm_interpreter.py) as done, and
+# A stand-in for the vLLM environment's interpreter: it answers every job sent to the shared
+# interpreter (tests/engines/vllm_interpreter.py) as done, the "tiny model" among them, and
 # serves the engine per SCRIPT below (any of: lines with pauses, exit, /health).
 FAKE = """#!{python}
 import http.server, sys, time
 args = sys.argv[1:]
-if any(a.endswith("make_tiny_model.py") for a in args):
-    sys.exit(0)
 if args[:1] == ["-c"]:
     for line in sys.stdin:
         print({answer!r} + '{{"result": null}}', flush=True)

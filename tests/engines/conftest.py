@@ -20,6 +20,7 @@ import pytest
 
 from .vllm_engine import (
     STARTUP_CAP_S,
+    TINY_MODEL_SCRIPT,
     VllmEngine,
     machine_factor,
     start_engines,
@@ -61,7 +62,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, vllm_interpreter: VllmI
     interpreter, which has torch and transformers loaded once for every job)."""
     out = tmp_path_factory.mktemp("tiny-model")
     try:
-        vllm_interpreter.run_script(_HERE / "make_tiny_model.py", [str(out), "--seed", "0"])
+        vllm_interpreter.run_script(TINY_MODEL_SCRIPT, [str(out), "--seed", "0"])
         return out
     except BaseException as err:
         _failed.append(f"making the tiny model: {type(err).__name__}")

@@ -22,6 +22,7 @@ from .gateway_thread import GatewayThread, gateway_config
 from .vllm_engine import (
     BLOCK_SIZE,
     MODEL_NAME,
+    TINY_MODEL_SCRIPT,
     VllmEngine,
     scaled,
     start_engines,
@@ -39,8 +40,7 @@ def lora_engine(
     """One engine serving the tiny model and a random LoRA adapter of it, with its own chat
     template and default template kwargs."""
     adapter = tmp_path_factory.mktemp("lora-adapter")
-    script = Path(__file__).with_name("make_tiny_model.py")
-    vllm_interpreter.run_script(script, [str(adapter), "--lora-of", str(tiny_model)])
+    vllm_interpreter.run_script(TINY_MODEL_SCRIPT, [str(adapter), "--lora-of", str(tiny_model)])
     logs = tmp_path_factory.mktemp("lora-engine-logs")
     template = logs / "template.jinja"
     template.write_text(KWARGS_TEMPLATE)

@@ -26,6 +26,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32  # vLLM's CPU backend needs a multiple of 32
 MODEL_NAME = "tiny"
+# Makes the tiny model (or, with --lora-of, a LoRA adapter of it); run by the vLLM environment.
+TINY_MODEL_SCRIPT = Path(__file__).with_name("make_tiny_model.py")
 
 # Startup readiness follows progress, not a fixed deadline: an engine is waited for as long as
 # its log grows or its processes use CPU time, so a machine busy with other jobs only makes
@@ -103,8 +105,7 @@ def free_port() -> int:
 def make_tiny_model(out: Path, seed: int = 0, shape: tuple[str, ...] = ()) -> Path:
     """Write the tiny random model and its tokenizer to ``out`` with the vLLM environment;
     ``shape`` holds extra flags of ``make_tiny_model.py`` (``--hidden 512`` ...)."""
-    script = Path(__file__).with_name("make_tiny_model.py")
-    command = [str(vllm_python()), str(script), str(out), "--seed", str(seed), *shape]
+    command = [str(vllm_python()), str(TINY_MODEL_SCRIPT), str(out), "--seed", str(seed), *shape]
     try:
         # Importing torch and transformers can take minutes on a loaded machine.
         done = subprocess.run(command, capture_output=True, timeout=STARTUP_CAP_S)

@@ -62,32 +62,39 @@ class VllmCheckError(RuntimeError):
 
 
 class VllmInterpreter:
-    """The vLLM environment's interpreter, started once, running checks one at a time."""
+    """The vLLM environment's interpreter, started at its first job (so that a missing
+    environment fails that job, as a check of its own would), running jobs one at a time."""
 
-    def __init__(self, log: Path, python: Path | None = None) -> None:
+    def __init__(self, log: Path) -> None:
         self._log = log
         self._stderr = log.open("wb")
-        self._process = subprocess.Popen(
-            [str(python or vllm_python()), "-c", _LOOP],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-        )
+        self._process: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
+
+    def _started(self) -> subprocess.Popen[str]:
+        if self._process is None:
+            self._process = subprocess.Popen(
+                [str(vllm_python()), "-c", _LOOP],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._stderr,
+                text=True,
+            )
+        return self._process
 
     def run(self, name: str, source: str, payload: Any, timeout_s: float = 300.0) -> Any:
         """``main(payload)`` of ``source`` run in the vLLM process; its JSON result."""
         job = json.dumps({"name": name, "source": source, "payload": payload})
         with self._lock:
-            stdin, stdout = self._process.stdin, self._process.stdout
+            process = self._started()
+            stdin, stdout = process.stdin, process.stdout
             assert stdin is not None and stdout is not None
             try:
                 stdin.write(job + "\n")
                 stdin.flush()
             except BrokenPipeError:
                 raise VllmCheckError(f"{name}: the vLLM process has ended{self._tail()}") from None
-            answer = self._read_answer(name, stdout, timeout_s)
+            answer = self._read_answer(name, process, timeout_s)
         if "error" in answer:
             raise VllmCheckError(f"{name} failed in the vLLM process:\n{answer['error']}")
         return answer["result"]
@@ -98,11 +105,14 @@ class VllmInterpreter:
         argv = [str(script), *args]
         self.run(script.name, _RUN_SCRIPT, argv, timeout_s)
 
-    def _read_answer(self, name: str, stdout: Any, timeout_s: float) -> dict[str, Any]:
+    def _read_answer(
+        self, name: str, process: subprocess.Popen[str], timeout_s: float
+    ) -> dict[str, Any]:
         found: list[str] = []
 
         def read() -> None:
-            for line in stdout:
+            assert process.stdout is not None
+            for line in process.stdout:
                 if line.startswith(ANSWER):
                     found.append(line[len(ANSWER) :])
                     return
@@ -112,7 +122,7 @@ class VllmInterpreter:
         reader.join(timeout_s)
         if not found:
             state = "is silent" if reader.is_alive() else "has ended"
-            self._process.kill()  # a later check must not read this one's answer
+            process.kill()  # a later check must not read this one's answer
             raise VllmCheckError(f"{name}: the vLLM process {state}{self._tail()}")
         answer: dict[str, Any] = json.loads(found[0])
         return answer
@@ -123,16 +133,18 @@ class VllmInterpreter:
         return ("; its stderr ends:\n" + "\n".join(lines)) if lines else ""
 
     def close(self) -> None:
-        """End the process (its stdin closed, then killed if it lingers)."""
-        if self._process.stdin is not None:
-            # A process that has ended leaves the pipe broken: what was left in it is moot.
-            with contextlib.suppress(BrokenPipeError):
-                self._process.stdin.close()
-        try:
-            self._process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
-        if self._process.stdout is not None:
-            self._process.stdout.close()
+        """End the process, if started (its stdin closed, then killed if it lingers)."""
+        process = self._process
+        if process is not None:
+            if process.stdin is not None:
+                # A process that has ended leaves the pipe broken: what was left in it is moot.
+                with contextlib.suppress(BrokenPipeError):
+                    process.stdin.close()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            if process.stdout is not None:
+                process.stdout.close()
         self._stderr.close()
